@@ -1,0 +1,93 @@
+"""Shared pieces of the head op: the output record and the request both implementations take.
+
+`eagle_fast.kernels.lm_head` validates user input once, flattens leading dims to N rows, and
+hands a `HeadRequest` to one implementation:
+  - `reference.lm_head_torch(req)`  (PyTorch, any device; the CPU fallback and the oracle's
+    rounding model), and
+  - `lm_head.lm_head_triton(req)`   (the fused Triton kernel; CUDA, or the Triton interpreter
+    for CPU tensors).
+Both return a `HeadOutput` with 2-D / 1-D fields (N leading); the public function reshapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+OUTPUT_NAMES = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
+NORM_MODES = ("rms", "rms_one_plus", "none")
+
+
+@dataclass
+class HeadOutput:
+    """What `lm_head` returns. Fields not requested are None; leading dims `...` follow `hidden`.
+
+    logits, logprobs    [..., V]   out_dtype. logprobs = log_softmax over the full vocabulary.
+    lse                 [...]      fp32 logsumexp over the full vocabulary (always filled).
+    argmax              [...]      int64, ties to the lower id (always filled).
+    topk_ids            [..., k]   int64, descending probability, ties to the lower id.
+    topk_logprobs       [..., k]   out_dtype, normalised over the FULL vocabulary.
+    topk_tail           [...]      fp32, probability mass outside the top-k (clamped >= 0).
+    draft_logprobs      [..., Vd]  out_dtype, log_softmax over the draft subset only
+                                   (exp() of it is EAGLE-3's target_p).
+    argmax_in_draft     [...]      bool, whether the full-vocab argmax is a draft token.
+    """
+
+    lse: torch.Tensor
+    argmax: torch.Tensor
+    logits: Optional[torch.Tensor] = None
+    logprobs: Optional[torch.Tensor] = None
+    topk_ids: Optional[torch.Tensor] = None
+    topk_logprobs: Optional[torch.Tensor] = None
+    topk_tail: Optional[torch.Tensor] = None
+    draft_logprobs: Optional[torch.Tensor] = None
+    argmax_in_draft: Optional[torch.Tensor] = None
+
+    def reshape(self, lead: tuple[int, ...]) -> "HeadOutput":
+        """Restore leading dims: each field's dim 0 (N rows) becomes `lead`."""
+        out = {}
+        for f in fields(self):
+            t = getattr(self, f.name)
+            out[f.name] = None if t is None else t.reshape(*lead, *t.shape[1:])
+        return HeadOutput(**out)
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+@dataclass(frozen=True)
+class HeadRequest:
+    """A validated head call on 2-D input. Produced only by `eagle_fast.kernels.lm_head`.
+
+    hidden       [N, H] (N may be 0), contiguous, bf16 | fp16 | fp32
+    weight       [V, H] contiguous rows (stride(1) == 1)
+    norm_weight  [H] or None (None iff norm == "none")
+    draft_ids    int64 [Vd] strictly increasing in [0, V), same device, or None
+    outputs      frozenset of OUTPUT_NAMES; "lse" and "argmax" are always computed
+    k            0 unless "topk" requested, then 1 <= k <= V
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    norm_weight: Optional[torch.Tensor]
+    eps: float
+    norm: str
+    logit_scale: float
+    softcap: Optional[float]
+    outputs: frozenset
+    k: int
+    draft_ids: Optional[torch.Tensor]
+    out_dtype: torch.dtype
+
+    @property
+    def n_rows(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def vocab(self) -> int:
+        return self.weight.shape[0]
+
+    def wants(self, name: str) -> bool:
+        return name in self.outputs
