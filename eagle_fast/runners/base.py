@@ -1,0 +1,522 @@
+"""The runner contract (NeMo AutoModel's `TargetRunner`), the `Supervision` record, shared logic.
+
+`TargetRunner` is NeMo AutoModel's protocol
+(`nemo_automodel.components.speculative.eagle.target_runner.TargetRunner`), member for member,
+so a runner here drops into `RunnerEagle3TargetModel` unchanged. Everything beyond it lives on
+`RunnerBase`, which both engines share:
+
+- aux-layer validation with NeMo's rules (3 distinct ids in `[0, L)`, id i = OUTPUT of decoder
+  layer i = HF `hidden_states[i + 1]`) and the capture plan (capture ids = aux ids + 1 plus
+  `L` for the final pre-norm hidden; aux id `L-1` shares the final slot);
+- unpadding: a right-padded `[B, S]` batch becomes one token list per row (no pad work);
+- `forward_eagle3` (full fp32 logits, the drop-in) and `forward_eagle3_supervision` (only what
+  the loss needs, through `TargetHead.compute`), both built on the engine's `capture`.
+
+An engine implements `_capture(sequences) -> [(aux [T, 3H], final [T, H]), ...]` (CPU tensors in
+the target dtype) and `_release()`; it calls `_init_common` from its `build`.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
+    from eagle_fast.head import TargetHead
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "HEAD_OUTPUTS",
+    "RunnerBase",
+    "Supervision",
+    "TargetRunner",
+    "capture_plan",
+    "resolve_dtype",
+    "unpad",
+    "validate_aux_layer_ids",
+]
+
+# Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
+HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
+SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
+# Rows of the head per call in `forward_eagle3`: bounds the transient [rows, V] fp32 logits the
+# head returns before they are copied into the [B, S, V] output (8192 x 152k x 4 B = 5 GB).
+_LOGITS_ROWS_PER_CALL = 8192
+
+
+@runtime_checkable
+class TargetRunner(Protocol):
+    """NeMo AutoModel's engine surface, exactly (`...speculative.eagle.target_runner.TargetRunner`).
+
+    `model` exposes `.config` (`num_hidden_layers`, `hidden_size`, `vocab_size`) and
+    `.parameters()` (yields a tensor on the target's device).
+    """
+
+    model: nn.Module
+
+    def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
+        """Tell the underlying model which 3 decoder layers to capture."""
+
+    def forward_eagle3(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the target once: `(logits [B, S, V], aux_hidden_states [B, S, 3H])`, unshifted."""
+
+    def input_embedding_weight(self) -> torch.Tensor:
+        """Return the target input-embedding weight `[V, H]`."""
+
+
+@dataclass
+class Supervision:
+    """What `forward_eagle3_supervision` returns: aux hidden states plus the requested head outputs.
+
+    Shapes are `[B, S, ...]`, unshifted (position t describes the distribution after token t).
+    Pad positions (attention_mask == 0) are zero (False for bools) in every field.
+
+    aux_hidden_states  [B, S, 3H]  target dtype, the three aux layers concatenated
+    attention_mask     [B, S]      as given
+    lse, argmax        [B, S]      fp32 / int64, always filled
+    logits, logprobs   [B, S, V]   out_dtype, only when requested
+    topk_ids           [B, S, k]   int64;  topk_logprobs [B, S, k] out_dtype;  topk_tail [B, S] fp32
+    draft_logprobs     [B, S, Vd]  out_dtype, log_softmax over the draft ids (exp() = EAGLE-3's target_p)
+    argmax_in_draft    [B, S]      bool, full-vocab argmax is a draft token (EAGLE-3's position mask
+                                   before the loss mask)
+    hidden             [B, S, H]   target dtype, final hidden BEFORE the final norm, when requested
+    """
+
+    aux_hidden_states: torch.Tensor
+    attention_mask: torch.Tensor
+    lse: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    topk_tail: torch.Tensor | None = None
+    draft_logprobs: torch.Tensor | None = None
+    argmax_in_draft: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """The filled fields by name."""
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
+
+    def target_probs(self) -> torch.Tensor:
+        """EAGLE-3's `target_p` over the draft vocabulary, fp32 `[B, S, Vd]`, UNSHIFTED."""
+        if self.draft_logprobs is None:
+            raise ValueError("target_probs needs outputs=('draft',) and draft_ids")
+        return self.draft_logprobs.float().exp() * self.attention_mask.unsqueeze(-1).to(
+            torch.float32
+        )
+
+    def to_nemo_batch(self, input_ids: torch.Tensor, loss_mask: torch.Tensor):
+        """NeMo AutoModel's precomputed-supervision `Eagle3TargetBatch` (draft vocab only).
+
+        Same shift as NeMo's `generate_batch` + `_compute_target_distribution`: `target_probs`,
+        `position_mask` (argmax in draft AND loss mask), `input_ids` and `loss_mask` are shifted
+        left by one with a zero tail; `aux_hidden_states` and `attention_mask` stay aligned.
+        Needs `outputs` to include "draft". Imports nemo_automodel lazily.
+        """
+        from nemo_automodel.components.speculative.eagle.target import Eagle3TargetBatch
+
+        if self.argmax_in_draft is None:
+            raise ValueError("to_nemo_batch needs outputs=('draft',) and draft_ids")
+        probs = self.target_probs()
+        position_mask = (
+            _shift_left(self.argmax_in_draft) & _shift_left(loss_mask.to(probs.device)).bool()
+        )
+        return Eagle3TargetBatch(
+            aux_hidden_states=self.aux_hidden_states,
+            input_ids=_shift_left(input_ids),
+            attention_mask=self.attention_mask,
+            loss_mask=_shift_left(loss_mask),
+            target_probs=_shift_left(probs),
+            position_mask=position_mask.unsqueeze(-1),
+        )
+
+
+def _shift_left(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat((t[:, 1:], torch.zeros_like(t[:, :1])), dim=1)
+
+
+# -- shared helpers ----------------------------------------------------------------------------
+def validate_aux_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
+    """NeMo's rules: exactly 3 distinct integer ids in `[0, num_layers)`. Returns them as a list."""
+    try:
+        ids = list(aux_layer_ids)
+    except TypeError:
+        raise ValueError(
+            f"aux_layer_ids must be a sequence of 3 ints, got {aux_layer_ids!r}"
+        ) from None
+    if len(ids) != 3:
+        raise ValueError(
+            f"EAGLE-3 expects exactly 3 aux_layer_ids, got {len(ids)}: {ids}. "
+            "This must match the draft model's num_aux_hidden_states."
+        )
+    try:
+        if any(isinstance(i, bool) for i in ids):
+            raise TypeError
+        ids = [operator.index(i) for i in ids]
+    except TypeError:
+        raise ValueError(f"aux_layer_ids must be ints, got {ids}") from None
+    if len(set(ids)) != 3:
+        raise ValueError(f"EAGLE-3 aux_layer_ids must be distinct, got {ids}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"aux layer ids {bad} are out of range for a target with num_hidden_layers={num_layers} "
+            f"(valid: 0..{num_layers - 1}; id i is the OUTPUT of decoder layer i)"
+        )
+    return ids
+
+
+def capture_plan(aux_layer_ids: Sequence[int], num_layers: int) -> tuple[list[int], list[int], int]:
+    """`(capture_ids, aux_slots, final_slot)` for vLLM's `extract_hidden_states`.
+
+    vLLM capture id c is the residual stream ENTERING layer c (= output of layer c-1, HF
+    `hidden_states[c]`), and id `num_layers` is the last layer's output before the final norm.
+    So aux id i -> capture id i + 1, and the final hidden is capture id `num_layers`; aux id
+    `num_layers - 1` therefore shares the final slot. vLLM returns slots in ascending id order,
+    so capture ids are sorted and each aux id maps to its slot index (in the caller's order).
+    """
+    capture_ids = sorted({i + 1 for i in aux_layer_ids} | {num_layers})
+    slot = {c: s for s, c in enumerate(capture_ids)}
+    return capture_ids, [slot[i + 1] for i in aux_layer_ids], slot[num_layers]
+
+
+def unpad(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> tuple[list[list[int]], list[int]]:
+    """Right-padded `[B, S]` batch -> (token lists, lengths). Raises on left/inner padding or empty rows."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[0] == 0:
+        raise ValueError("input_ids has no rows (B=0)")
+    ids = input_ids.detach().cpu()
+    if ids.is_floating_point():
+        raise ValueError(f"input_ids must be integer token ids, got {ids.dtype}")
+    if attention_mask is None:
+        mask = torch.ones_like(ids, dtype=torch.bool)
+    else:
+        if tuple(attention_mask.shape) != tuple(ids.shape):
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(ids.shape)}"
+            )
+        mask = attention_mask.detach().cpu().bool()
+    lengths = mask.sum(dim=1)
+    # right padding: the mask is ones then zeros, i.e. mask[t] == (t < length)
+    expect = torch.arange(ids.shape[1])[None, :] < lengths[:, None]
+    bad_rows = (mask != expect).any(dim=1).nonzero().flatten().tolist()
+    if bad_rows:
+        raise ValueError(
+            f"attention_mask rows {bad_rows[:8]} are not right-padded (ones then zeros); "
+            "left or inner padding is not supported"
+        )
+    empty = (lengths == 0).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"rows {empty[:8]} have no tokens (attention_mask all zero)")
+    lens = lengths.tolist()
+    return [row[:n].tolist() for row, n in zip(ids, lens)], lens
+
+
+def validate_sequences(
+    sequences: Sequence[Sequence[int]], max_model_len: int, vocab_size: int
+) -> list[list[int]]:
+    """Check a capture request: non-empty rows of int token ids, each within the model's limits."""
+    if isinstance(sequences, torch.Tensor):
+        raise TypeError("capture takes a list of token-id lists (unpadded), not a tensor")
+    seqs = [list(map(int, s)) for s in sequences]
+    if not seqs:
+        raise ValueError("capture got no sequences")
+    for i, s in enumerate(seqs):
+        if not s:
+            raise ValueError(f"sequence {i} is empty")
+        if len(s) > max_model_len:
+            raise ValueError(f"sequence {i} has {len(s)} tokens > max_model_len={max_model_len}")
+        lo, hi = min(s), max(s)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"sequence {i} has token ids outside [0, {vocab_size}): min {lo}, max {hi}"
+            )
+    return seqs
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def resolve_dtype(config: Any, dtype: torch.dtype | str | None) -> torch.dtype:
+    """The dtype the target runs in: `dtype` if given, else the checkpoint's (config `dtype` /
+    `torch_dtype`), else fp32. Passed explicitly to every engine, so runners agree."""
+    from eagle_fast.head import text_config
+
+    if dtype is None:
+        for cfg in (config, text_config(config)):
+            dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+            if dtype is not None:
+                break
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"unsupported target dtype {dtype}; use float32, float16 or bfloat16")
+    return dtype
+
+
+class _ModelShim:
+    """`.config` + `.parameters()` for NeMo: the config and a device marker, no weights."""
+
+    def __init__(self, config: Any, device: torch.device):
+        self.config = config
+        self._marker = torch.empty(0, device=device)
+
+    def parameters(self):
+        yield self._marker
+
+
+# -- the shared runner -------------------------------------------------------------------------
+class RunnerBase:
+    """Everything both runners share; engines implement `_capture` and `_release`.
+
+    Public attributes after `build`: `config` (HF config), `text_config` (the decoder's),
+    `model` (NeMo's `.config` + `.parameters()` surface; its config is the decoder's),
+    `head` (`TargetHead`), `dtype`, `max_model_len`, `num_layers`, `hidden_size`,
+    `aux_layer_ids` (after `set_aux_layers`).
+    """
+
+    config: Any
+    text_config: Any
+    model: Any
+    head: TargetHead
+    dtype: torch.dtype
+    max_model_len: int
+    num_layers: int
+    hidden_size: int
+
+    def _init_common(
+        self,
+        model_path: str,
+        config: Any,
+        dtype: torch.dtype,
+        head: TargetHead,
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
+        from eagle_fast.head import text_config
+
+        self.model_path = str(model_path)
+        self.config = config
+        self.text_config = text_config(config)
+        self.dtype = dtype
+        self.head = head
+        self.device = torch.device(device)
+        self.max_model_len = int(max_model_len)
+        self.num_layers = int(self.text_config.num_hidden_layers)
+        self.hidden_size = int(self.text_config.hidden_size)
+        if head.hidden_size != self.hidden_size:
+            raise ValueError(
+                f"LM head hidden size {head.hidden_size} != config hidden_size {self.hidden_size}"
+            )
+        self.model = _ModelShim(self.text_config, self.device)
+        self._aux_layer_ids: list[int] | None = None
+        self._aux_slots: list[int] | None = None
+        self._final_slot: int | None = None
+        self._closed = False
+
+    # -- aux layers -----------------------------------------------------------------------------
+    @property
+    def aux_layer_ids(self) -> list[int] | None:
+        return None if self._aux_layer_ids is None else list(self._aux_layer_ids)
+
+    def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
+        """Validate and record the 3 aux layers (id i = output of decoder layer i)."""
+        self._check_open()
+        ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers)
+        _, aux_slots, final_slot = capture_plan(ids, self.num_layers)
+        try:
+            self._on_aux_layers(ids)
+        except BaseException:
+            self._aux_layer_ids = self._aux_slots = self._final_slot = (
+                None  # no engine serves them now
+            )
+            raise
+        self._aux_layer_ids, self._aux_slots, self._final_slot = ids, aux_slots, final_slot
+
+    def _on_aux_layers(self, aux_layer_ids: list[int]) -> None:
+        """Engine hook, called before the ids are recorded (on failure no ids are recorded)."""
+
+    def _require_aux(self) -> None:
+        self._check_open()
+        if self._aux_layer_ids is None:
+            raise RuntimeError(
+                "call set_aux_layers([...]) before capturing: it picks the layers to capture"
+            )
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"{type(self).__name__} is closed")
+
+    # -- capture --------------------------------------------------------------------------------
+    def capture(
+        self, sequences: Sequence[Sequence[int]]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One engine call over unpadded token lists -> `[(aux [T, 3H], final [T, H]), ...]`.
+
+        CPU tensors in the target dtype; `final` is the last decoder layer's output BEFORE the
+        final norm; `aux` concatenates the aux layers' outputs in `aux_layer_ids` order.
+        """
+        self._require_aux()
+        seqs = validate_sequences(sequences, self.max_model_len, self.head.vocab_size)
+        return self._capture(seqs)
+
+    def _capture(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        raise NotImplementedError
+
+    # -- NeMo surface ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_eagle3(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(logits [B, S, V] fp32, aux [B, S, 3H] target dtype)`, unshifted, zero at pad positions.
+
+        Rows must be right-padded; only each row's `attention_mask` tokens are run.
+        """
+        self._require_aux()
+        seqs, lens = unpad(input_ids, attention_mask)
+        captures = self.capture(seqs)
+        B, S = input_ids.shape
+        device = input_ids.device
+        aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
+        logits = torch.zeros(B, S, self.head.vocab_size, dtype=torch.float32, device=device)
+        for rows in _row_groups(lens, _LOGITS_ROWS_PER_CALL):
+            final = torch.cat([captures[b][1] for b in rows])
+            out = self.head.logits(final).to(device)
+            start = 0
+            for b in rows:
+                logits[b, : lens[b]] = out[start : start + lens[b]]
+                start += lens[b]
+            del out
+        return logits, aux
+
+    @torch.no_grad()
+    def forward_eagle3_supervision(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        outputs: Sequence[str] = ("draft",),
+        draft_ids: torch.Tensor | None = None,
+        k: int = 0,
+        out_dtype: torch.dtype = torch.float32,
+        impl: str = "auto",
+    ) -> Supervision:
+        """The fast path: aux hidden states plus only the head outputs the loss needs.
+
+        `outputs` is any of "logits", "logprobs", "lse", "argmax", "topk" (with `k`), "draft"
+        (with `draft_ids`, strictly increasing target ids), "hidden". Only non-pad tokens go
+        through the head; pad positions are zero/False. See `Supervision` for shapes.
+        """
+        self._require_aux()
+        if isinstance(outputs, str):
+            outputs = (outputs,)
+        outputs = tuple(outputs)
+        unknown = [o for o in outputs if o not in SUPERVISION_OUTPUTS]
+        if unknown:
+            raise ValueError(
+                f"outputs: unknown name(s) {unknown}; valid names are {SUPERVISION_OUTPUTS}"
+            )
+        seqs, lens = unpad(input_ids, attention_mask)
+        captures = self.capture(seqs)
+        B, S = input_ids.shape
+        device = input_ids.device
+        mask = attention_mask.detach().to(device).bool()
+        head_outputs = tuple(o for o in outputs if o != "hidden")
+        final = torch.cat([f for _, f in captures])
+        head = self.head.compute(
+            final, head_outputs, k=k, draft_ids=draft_ids, out_dtype=out_dtype, impl=impl
+        )
+        fields_out: dict[str, torch.Tensor | None] = {}
+        for name, value in head.as_dict().items():
+            fields_out[name] = _scatter_masked(value.to(device), mask)
+        sup = Supervision(
+            aux_hidden_states=self._scatter_rows([a for a, _ in captures], lens, B, S, device),
+            attention_mask=attention_mask,
+            hidden=_scatter_masked(final.to(device), mask) if "hidden" in outputs else None,
+            **fields_out,
+        )
+        return sup
+
+    def input_embedding_weight(self) -> torch.Tensor:
+        """The target input embedding `[V, H]`, read from the checkpoint (shared with a tied head)."""
+        self._check_open()
+        return self.head.embed_weight()
+
+    @staticmethod
+    def _scatter_rows(
+        rows: list[torch.Tensor], lens: list[int], B: int, S: int, device
+    ) -> torch.Tensor:
+        out = torch.zeros(B, S, rows[0].shape[-1], dtype=rows[0].dtype, device=device)
+        for b, (row, n) in enumerate(zip(rows, lens)):
+            out[b, :n] = row.to(device)
+        return out
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the engine and everything it holds. Idempotent."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        """Engine hook: free the engine (must tolerate partial construction)."""
+
+    @property
+    def closed(self) -> bool:
+        return getattr(self, "_closed", True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _scatter_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`values [N, ...]` for the True positions of `mask [B, S]` -> `[B, S, ...]`, zero elsewhere."""
+    out = torch.zeros(*mask.shape, *values.shape[1:], dtype=values.dtype, device=values.device)
+    out[mask] = values
+    return out
+
+
+def _row_groups(lens: list[int], max_rows: int) -> list[list[int]]:
+    """Consecutive row indices grouped so each group has at most `max_rows` tokens (at least 1 row)."""
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    total = 0
+    for b, n in enumerate(lens):
+        if cur and total + n > max_rows:
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(b)
+        total += n
+    if cur:
+        groups.append(cur)
+    return groups

@@ -1,0 +1,318 @@
+"""`VLLMTargetRunner`: EAGLE-3 supervision from vLLM's `extract_hidden_states`, drop-in for NeMo.
+
+Mechanism: an offline `vllm.LLM` with the `extract_hidden_states` speculative method captures the
+aux layers plus the final pre-norm hidden state in one prefill per prompt (`max_tokens=1`).
+`EagleFastHiddenStatesConnector` (connector.py; CPU-safe) writes each request's
+`hidden_states [T, n_ids, H]` and `token_ids` to a private temp dir (under /dev/shm when it
+exists). The runner reads every file exactly once, checks it (token ids equal the request,
+length, finite, no all-zero rows), deletes it at once (also on errors), and hands the final
+hidden state to `TargetHead` (`eagle_fast.kernels.lm_head`), whose weights are read straight from
+the checkpoint's safetensors.
+
+Design points:
+- The engine is built lazily in `set_aux_layers` (capture ids must be known up front) and
+  rebuilt only when the set of capture ids changes; aux id `L-1` shares the final slot.
+- On CPU the KV cache is bounded by default (`kv_cache_memory_bytes`), unless the caller or
+  `VLLM_CPU_KVCACHE_SPACE` sets it; on GPU `gpu_memory_utilization` defaults to 0.5 (NeMo's).
+- `close()` shuts the engine's processes down explicitly and removes the temp dir.
+- Every vLLM call that depends on its version is in `_vllm_compat.py`.
+Limits: one engine per runner; only TP rank 0 writes files (vLLM's rule), which the main
+process reads, so the runner must run where rank 0's filesystem is visible.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Any
+
+import torch
+
+from eagle_fast.runners import _vllm_compat as compat
+from eagle_fast.runners.base import RunnerBase, capture_plan, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VLLMTargetRunner"]
+
+# Default CPU KV-cache budget: room for this many max-length prompts' KV plus captures, within
+# [64 MiB, 4 GiB]. vllm-cpu otherwise reserves a large share of host memory per engine.
+_CPU_KV_PROMPTS = 2
+_CPU_KV_MIN_BYTES = 64 << 20
+_CPU_KV_MAX_BYTES = 4 << 30  # beyond this, set kv_cache_memory_bytes / max_model_len explicitly
+
+
+class VLLMTargetRunner(RunnerBase):
+    """Offline vLLM engine returning EAGLE-3 supervision (NeMo AutoModel `TargetRunner`).
+
+    Build with `VLLMTargetRunner.build(...)`; then `set_aux_layers`, `capture` /
+    `forward_eagle3` / `forward_eagle3_supervision`; `close()` (or use it as a context manager).
+    """
+
+    @classmethod
+    def build(
+        cls,
+        model_path: str,
+        dtype: torch.dtype | None = None,
+        tp_size: int = 1,
+        trust_remote_code: bool = False,
+        vllm_kwargs: dict | None = None,
+        *,
+        storage_dir: str | None = None,
+        head_device: str | torch.device | None = None,
+        head_overrides: dict | None = None,
+        read_timeout_s: float = 600.0,
+        **extra_vllm_kwargs: Any,
+    ) -> VLLMTargetRunner:
+        """Check vLLM, read the config and head weights; the engine itself starts in `set_aux_layers`.
+
+        dtype: the target's dtype (default: the checkpoint's), passed to vLLM explicitly.
+        vllm_kwargs (and any extra keyword, as NeMo's `build(**vllm_kwargs)` passes them): forwarded
+            to `vllm.LLM` (`max_model_len`, `gpu_memory_utilization`, `kv_cache_memory_bytes`, ...),
+            except the arguments the capture path owns (`_vllm_compat.OWNED_KWARGS`).
+        storage_dir: parent of the private capture dir (default /dev/shm when present, else TMPDIR).
+        head_device: where the head runs (default: CUDA when available, else CPU).
+        head_overrides: `TargetHead` overrides for unknown architectures (norm, eps, logit_scale, softcap).
+        """
+        from transformers import AutoConfig
+
+        from eagle_fast.head import TargetHead, text_config
+
+        version = compat.check_version()
+        kwargs = dict(vllm_kwargs or {})
+        kwargs.update(extra_vllm_kwargs)
+        owned = sorted(set(kwargs) & set(compat.OWNED_KWARGS))
+        if owned:
+            raise ValueError(f"vllm_kwargs {owned} are set by VLLMTargetRunner itself; remove them")
+        if kwargs.pop("shared_storage_path", None) is not None:  # NeMo's name for the capture dir
+            logger.warning(
+                "shared_storage_path is ignored: captures go to a private dir under storage_dir"
+            )
+
+        config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+        dtype = resolve_dtype(config, dtype)
+        device = (
+            torch.device(head_device)
+            if head_device is not None
+            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        head = TargetHead.from_pretrained(
+            model_path, config, dtype=dtype, device=device, overrides=head_overrides
+        )
+        text = text_config(config)
+        max_len = kwargs.get("max_model_len") or getattr(text, "max_position_embeddings", None)
+        if max_len is None:
+            raise ValueError(
+                "config has no max_position_embeddings; pass vllm_kwargs={'max_model_len': ...}"
+            )
+
+        self = cls.__new__(cls)
+        self._init_common(model_path, config, dtype, head, device, int(max_len))
+        self.vllm_version = version
+        self.tp_size = int(tp_size)
+        self.trust_remote_code = trust_remote_code
+        self._user_kwargs = kwargs
+        self._storage_parent = storage_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._read_timeout_s = float(read_timeout_s)
+        self._on_cpu = compat.is_cpu_platform()
+        if self._on_cpu:
+            compat.check_cpu_connector()
+        self._llm = None
+        self._capture_ids: list[int] | None = None
+        self._storage: str | None = None
+        self._storage_finalizer = None
+        return self
+
+    # -- engine ---------------------------------------------------------------------------------
+    @property
+    def capture_ids(self) -> list[int] | None:
+        """vLLM capture ids of the running engine (aux ids + 1, plus num_hidden_layers)."""
+        return None if self._capture_ids is None else list(self._capture_ids)
+
+    @property
+    def storage_dir(self) -> str | None:
+        """The private dir the engine writes captures to (None when no engine runs)."""
+        return self._storage
+
+    def _on_aux_layers(self, aux_layer_ids: list[int]) -> None:
+        capture_ids, _, _ = capture_plan(aux_layer_ids, self.num_layers)
+        if self._llm is not None and capture_ids == self._capture_ids:
+            return  # same captures (maybe another order): the engine serves as is
+        self._stop_engine()
+        self._start_engine(capture_ids)
+
+    def _engine_kwargs(self, capture_ids: list[int]) -> dict[str, Any]:
+        kwargs = compat.llm_kwargs(
+            model_path=self.model_path,
+            dtype=self.dtype,
+            tp_size=self.tp_size,
+            trust_remote_code=self.trust_remote_code,
+            capture_ids=capture_ids,
+            storage_dir=self._storage,
+            max_model_len=self.max_model_len,
+        )
+        kwargs["enforce_eager"] = True  # prefill only: graph capture and compilation buy nothing
+        if self._on_cpu:
+            if "kv_cache_memory_bytes" not in self._user_kwargs and not os.environ.get(
+                "VLLM_CPU_KVCACHE_SPACE"
+            ):
+                kwargs["kv_cache_memory_bytes"] = self._default_cpu_kv_bytes(len(capture_ids))
+        else:
+            kwargs["gpu_memory_utilization"] = 0.5
+        kwargs.update(self._user_kwargs)
+        return kwargs
+
+    def _default_cpu_kv_bytes(self, n_captures: int) -> int:
+        text = self.text_config
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or self.hidden_size // text.num_attention_heads
+        per_token = 2 * self.num_layers * heads * head_dim + n_captures * self.hidden_size
+        per_token *= torch.empty(0, dtype=self.dtype).element_size()
+        return min(
+            _CPU_KV_MAX_BYTES,
+            max(_CPU_KV_MIN_BYTES, _CPU_KV_PROMPTS * per_token * self.max_model_len),
+        )
+
+    def _start_engine(self, capture_ids: list[int]) -> None:
+        self._storage = tempfile.mkdtemp(prefix="eagle_fast-hs-", dir=self._storage_parent)
+        self._storage_finalizer = weakref.finalize(self, shutil.rmtree, self._storage, True)
+        try:
+            self._llm = compat.build_llm(self._engine_kwargs(capture_ids))
+            self._capture_ids = list(capture_ids)
+            self.max_model_len = compat.engine_max_model_len(self._llm)
+            engine_dtype = compat.engine_dtype(self._llm)
+            if engine_dtype != self.dtype:
+                raise RuntimeError(f"vLLM runs the target in {engine_dtype}, expected {self.dtype}")
+        except BaseException:
+            self._stop_engine()
+            raise
+        logger.info(
+            "vLLM extract_hidden_states engine up: capture ids %s, storage %s",
+            capture_ids,
+            self._storage,
+        )
+
+    def _stop_engine(self) -> None:
+        llm, self._llm = self._llm, None
+        self._capture_ids = None
+        if llm is not None:
+            try:
+                compat.shutdown(llm)
+            except Exception:  # best effort: the references are dropped below either way
+                logger.exception("vLLM engine shutdown failed")
+            del llm
+            gc.collect()
+        if self._storage_finalizer is not None:
+            self._storage_finalizer()  # removes the dir (and anything a dead engine left in it)
+            self._storage_finalizer = None
+        self._storage = None
+
+    def _release(self) -> None:
+        self._stop_engine()
+
+    # -- capture --------------------------------------------------------------------------------
+    def _generate(self, sequences: list[list[int]], prompt_logprobs: int | None = None):
+        """One engine call; returns (outputs, [(aux, final), ...]). Every file is read once and deleted."""
+        outputs = compat.generate(self._llm, sequences, prompt_logprobs=prompt_logprobs)
+        paths = [compat.hidden_states_path(o) for o in outputs]
+        pending = list(paths)
+        try:
+            if len(outputs) != len(sequences):
+                raise RuntimeError(
+                    f"vLLM returned {len(outputs)} outputs for {len(sequences)} prompts"
+                )
+            captures = []
+            for i, (seq, out, path) in enumerate(zip(sequences, outputs, paths)):
+                pending.remove(path)
+                data = compat.read_hidden_states(path, timeout_s=self._read_timeout_s)
+                captures.append(self._split(i, seq, compat.output_token_ids(out), data))
+                del data
+            return outputs, captures
+        finally:
+            for path in pending:  # an error left files unread: wait for their writes, delete them
+                compat.discard(path)
+
+    def _capture(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._generate(sequences)[1]
+
+    def _split(
+        self, i: int, seq: list[int], prompt_ids: list[int], data: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check one capture file and split it into (aux [T, 3H], final [T, H])."""
+        hs, token_ids = data.get("hidden_states"), data.get("token_ids")
+        if hs is None or token_ids is None:
+            raise RuntimeError(
+                f"capture {i}: file has keys {sorted(data)}, expected hidden_states and token_ids"
+            )
+        T = len(seq)
+        if prompt_ids != seq or token_ids.tolist() != seq:
+            raise RuntimeError(
+                f"capture {i}: stored token_ids (len {token_ids.numel()}) do not equal the request "
+                f"(len {T}); the engine mixed up requests"
+            )
+        n_ids = len(self._capture_ids)
+        if tuple(hs.shape) != (T, n_ids, self.hidden_size):
+            raise RuntimeError(
+                f"capture {i}: hidden_states shape {tuple(hs.shape)} != expected {(T, n_ids, self.hidden_size)} "
+                "(prefix caching or chunked prefill misaligned the capture?)"
+            )
+        if hs.dtype != self.dtype:
+            raise RuntimeError(
+                f"capture {i}: hidden_states dtype {hs.dtype} != target dtype {self.dtype}"
+            )
+        if not torch.isfinite(hs).all():
+            bad = (~torch.isfinite(hs)).nonzero()[0].tolist()
+            raise RuntimeError(f"capture {i}: non-finite hidden state at [token, slot, dim]={bad}")
+        zero_rows = (hs == 0).all(dim=-1)
+        if zero_rows.any():
+            t, s = zero_rows.nonzero()[0].tolist()
+            raise RuntimeError(
+                f"capture {i}: all-zero hidden state at token {t}, capture id {self._capture_ids[s]} "
+                f"({int(zero_rows.sum())} such rows); the engine did not capture this layer"
+            )
+        aux = hs[:, self._aux_slots, :].reshape(T, -1)
+        final = hs[:, self._final_slot, :].clone()
+        return aux, final
+
+    # -- self-check against the engine's own log-probs -------------------------------------------
+    def engine_prompt_logprobs(
+        self, sequences: list[list[int]], num_logprobs: int = 5
+    ) -> tuple[list[list[dict[int, float] | None]], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """vLLM's own `prompt_logprobs` (top-`num_logprobs` plus the prompt token, per position;
+        None at position 0) and, from the same engine call, the captures.
+
+        Position t's entry is the distribution after tokens [0, t), i.e. our row t-1.
+        """
+        self._require_aux()
+        from eagle_fast.runners.base import validate_sequences
+
+        seqs = validate_sequences(sequences, self.max_model_len, self.head.vocab_size)
+        outputs, captures = self._generate(seqs, prompt_logprobs=int(num_logprobs))
+        return [compat.prompt_logprobs(o) for o in outputs], captures
+
+    def check_against_engine(
+        self, sequences: list[list[int]], num_logprobs: int = 5
+    ) -> dict[str, float]:
+        """Rebuild log-probs from the captured final hidden state and diff them against vLLM's.
+
+        Returns `{"top1_agreement": fraction, "max_abs_err": float, "positions": n}` over every
+        position vLLM reports (its top-`num_logprobs` ids plus the prompt token). A wrong
+        final-hidden capture shows here first.
+        """
+        engine_lps, captures = self.engine_prompt_logprobs(sequences, num_logprobs)
+        agree, total, max_err = 0, 0, 0.0
+        for lps, (_, final) in zip(engine_lps, captures):
+            ours = self.head.compute(final, ("logprobs",)).logprobs.float().cpu()
+            for t in range(1, len(lps)):
+                entry = lps[t]
+                ids = torch.tensor(list(entry))
+                vals = torch.tensor(list(entry.values()))
+                max_err = max(max_err, float((ours[t - 1, ids] - vals).abs().max()))
+                top = max(entry, key=entry.get)
+                agree += int(int(ours[t - 1].argmax()) == top)
+                total += 1
+        return {"top1_agreement": agree / max(total, 1), "max_abs_err": max_err, "positions": total}
