@@ -1,0 +1,381 @@
+"""The head op's public API: `lm_head` (validate, flatten, dispatch) and draft-vocab helpers.
+
+What it does
+    `lm_head(hidden, weight, norm_weight, ...)` turns final pre-norm hidden states [..., H] into
+    EAGLE-3 supervision (lse, argmax, top-k, draft-vocab log-probs, optionally full logits /
+    logprobs) through one of two implementations with the same semantics
+    (`reference.py`'s header defines them):
+      impl="torch"  `reference.lm_head_torch`: PyTorch, any device, chunked over the vocabulary;
+      impl="triton" `lm_head.lm_head_triton`: the fused Triton kernel (CUDA, or the Triton
+                    interpreter for CPU tensors);
+      impl="auto"   Triton for CUDA tensors when Triton is importable, torch otherwise.
+
+Design
+    Every argument is checked here, once, so each implementation receives a `HeadRequest` it
+    can trust: 2-D contiguous hidden [N, H], weight rows with unit stride, int64 sorted
+    draft_ids, k in [1, V]. Leading dims are flattened to N rows and restored on the way out.
+    Bad input raises ValueError naming the argument and the shapes; nothing is silently fixed
+    except layout (contiguity) and the draft id dtype (any integer dtype -> int64).
+
+Limits
+    No autograd (runs under torch.no_grad): the outputs are training targets, not a loss.
+    `k` is read only when "topk" is requested and `draft_ids` only when "draft" is; both are
+    ignored otherwise. `norm_weight` with norm="none" is rejected (it would be ignored, which is
+    almost certainly a caller bug).
+    Importing this package imports neither triton nor the kernel module and touches no CUDA.
+    The kernel module shares the public function's name (`kernels/lm_head.py`); the package
+    keeps `eagle_fast.kernels.lm_head` bound to the FUNCTION even after that submodule loads
+    (see `_Package`), so import the kernel as `from eagle_fast.kernels.lm_head import
+    lm_head_triton`, never as `import eagle_fast.kernels.lm_head as m`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+import types
+from collections.abc import Iterable
+
+import torch
+
+from ._common import NORM_MODES, OUTPUT_NAMES, HeadOutput, HeadRequest
+from .reference import _empty_output, lm_head_torch
+
+__all__ = ["HeadOutput", "draft_ids_from_d2t", "draft_ids_from_t2d", "lm_head"]
+
+IMPLS = ("auto", "triton", "torch")
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _triton_available() -> bool:
+    """Whether the triton package can be imported, checked without importing it."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _shape(t: torch.Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+# Wrong types raise ValueError too (hence the TRY004 waivers): the API promises one exception
+# type, naming the argument, for every bad input.
+def _check_float_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} dtype {t.dtype} is not supported; use one of {FLOAT_DTYPES}")
+
+
+def _check_real(name: str, value, *, positive: bool = False, nonnegative: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r}")  # noqa: TRY004
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if nonnegative and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_draft_ids(draft_ids, vocab: int, device: torch.device) -> torch.Tensor:
+    """draft_ids -> int64 [Vd], strictly increasing, within [0, vocab), on `device`."""
+    if not isinstance(draft_ids, torch.Tensor):
+        raise ValueError(  # noqa: TRY004
+            "outputs include 'draft' but draft_ids is "
+            + (
+                "missing (None)"
+                if draft_ids is None
+                else f"a {type(draft_ids).__name__}, not a tensor"
+            )
+        )
+    if draft_ids.dtype == torch.bool or draft_ids.is_floating_point() or draft_ids.is_complex():
+        raise ValueError(
+            f"draft_ids must be an integer tensor of target ids, got dtype {draft_ids.dtype} "
+            "(for a boolean t2d mask use draft_ids_from_t2d)"
+        )
+    if draft_ids.dim() != 1 or draft_ids.numel() == 0:
+        raise ValueError(f"draft_ids must be a non-empty 1-D tensor, got shape {_shape(draft_ids)}")
+    if draft_ids.device != device:
+        raise ValueError(f"draft_ids is on {draft_ids.device} but hidden is on {device}")
+    ids = draft_ids.to(torch.int64).contiguous()
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(
+            f"draft_ids must lie in [0, V={vocab}) (weight rows); got min {lo}, max {hi} "
+            f"(shape {_shape(ids)})"
+        )
+    _check_strictly_increasing("draft_ids", ids)
+    return ids
+
+
+def _check_strictly_increasing(name: str, ids: torch.Tensor) -> None:
+    bad = (ids[1:] <= ids[:-1]).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        what = "duplicated" if int(ids[i]) == int(ids[i + 1]) else "unsorted"
+        raise ValueError(
+            f"{name} must be strictly increasing (sorted, no duplicates); {what} at position "
+            f"{i}: {name}[{i}]={int(ids[i])}, {name}[{i + 1}]={int(ids[i + 1])} "
+            f"(shape {_shape(ids)})"
+        )
+
+
+def _normalise_outputs(outputs) -> frozenset:
+    if isinstance(outputs, str):
+        outputs = (outputs,)
+    try:
+        names = list(outputs)
+    except TypeError:
+        raise ValueError(
+            f"outputs must be a sequence of names from {OUTPUT_NAMES}, got {outputs!r}"
+        ) from None
+    unknown = [n for n in names if n not in OUTPUT_NAMES]
+    if unknown:
+        raise ValueError(f"outputs: unknown name(s) {unknown}; valid names are {OUTPUT_NAMES}")
+    return frozenset(names)
+
+
+def _validate(
+    hidden,
+    weight,
+    norm_weight,
+    *,
+    eps,
+    norm,
+    logit_scale,
+    softcap,
+    outputs,
+    k,
+    draft_ids,
+    out_dtype,
+    impl,
+) -> tuple[HeadRequest, tuple[int, ...], str]:
+    """Check every argument; return the 2-D request, the leading dims, and the resolved impl."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    _check_float_tensor("hidden", hidden)
+    if hidden.dim() < 1:
+        raise ValueError(
+            f"hidden must have a trailing hidden dim [..., H], got shape {_shape(hidden)}"
+        )
+    _check_float_tensor("weight", weight)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, H], got shape {_shape(weight)}")
+    V, H = weight.shape
+    if V == 0:
+        raise ValueError(f"weight has an empty vocabulary: shape {_shape(weight)}")
+    if H == 0 or hidden.shape[-1] != H:
+        raise ValueError(
+            f"hidden size mismatch: hidden {_shape(hidden)} has H={hidden.shape[-1]}, weight "
+            f"{_shape(weight)} has H={H}" + (" (H must be >= 1)" if H == 0 else "")
+        )
+    device = hidden.device
+    if weight.device != device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {device}")
+
+    if norm not in NORM_MODES:
+        raise ValueError(f"norm must be one of {NORM_MODES}, got {norm!r}")
+    if norm == "none":
+        if norm_weight is not None:
+            raise ValueError(
+                f"norm='none' takes no norm_weight (got shape {_shape(norm_weight)}); pass "
+                "norm='rms' or 'rms_one_plus' to apply it, or norm_weight=None"
+            )
+    else:
+        if norm_weight is None:
+            raise ValueError(f"norm={norm!r} needs norm_weight [H={H}], got None")
+        _check_float_tensor("norm_weight", norm_weight)
+        if _shape(norm_weight) != (H,):
+            raise ValueError(
+                f"norm_weight must have shape ({H},) to match weight {_shape(weight)}, "
+                f"got {_shape(norm_weight)}"
+            )
+        if norm_weight.device != device:
+            raise ValueError(f"norm_weight is on {norm_weight.device} but hidden is on {device}")
+    eps = _check_real("eps", eps, nonnegative=True)
+    logit_scale = _check_real("logit_scale", logit_scale)
+    if softcap is not None:
+        softcap = _check_real("softcap", softcap, positive=True)
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+
+    names = _normalise_outputs(outputs)
+    if "topk" in names:
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+            raise ValueError(f"k must be an int when 'topk' is requested, got {k!r}")
+        k = int(k)
+        if not 1 <= k <= V:
+            raise ValueError(
+                f"k must be in [1, V={V}] when 'topk' is requested (weight "
+                f"{_shape(weight)}), got k={k}"
+            )
+    else:
+        k = 0
+    draft = _check_draft_ids(draft_ids, V, device) if "draft" in names else None
+
+    if impl == "triton" and not _triton_available():
+        raise ValueError(
+            "impl='triton' needs the triton package, which is not importable here; "
+            "use impl='torch' (or 'auto', which falls back to torch)"
+        )
+    if impl == "auto":
+        impl = "triton" if hidden.is_cuda and _triton_available() else "torch"
+
+    lead = tuple(hidden.shape[:-1])
+    req = HeadRequest(
+        hidden=hidden.detach().reshape(-1, H).contiguous(),
+        weight=weight.detach() if weight.stride(1) == 1 else weight.detach().contiguous(),
+        norm_weight=None if norm_weight is None else norm_weight.detach().contiguous(),
+        eps=eps,
+        norm=norm,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        outputs=names,
+        k=k,
+        draft_ids=draft,
+        out_dtype=out_dtype,
+    )
+    return req, lead, impl
+
+
+def _triton_impl():
+    from .lm_head import lm_head_triton  # lazy: imports triton
+
+    return lm_head_triton
+
+
+@torch.no_grad()
+def lm_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    norm: str = "rms",
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    outputs: str | Iterable[str] = ("lse", "argmax"),
+    k: int = 0,
+    draft_ids: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    impl: str = "auto",
+) -> HeadOutput:
+    """Final norm + LM head + on-the-fly reductions, without full fp32 logits unless asked.
+
+    logits = softcap * tanh(scale * (round(norm(hidden)) @ weight.T) / softcap), fp32 accumulate
+    (see `reference.py` for the exact rounding points).
+
+    Args:
+        hidden: [..., H] bf16 | fp16 | fp32, the final hidden state BEFORE the final norm.
+        weight: [V, H] bf16 | fp16 | fp32 LM-head weight (may be the tied input embedding).
+        norm_weight: [H] final-norm weight; required for norm="rms" / "rms_one_plus", must be
+            None for norm="none".
+        eps: >= 0, finite. norm: "rms" (x * rsqrt(mean(x^2) + eps) * w), "rms_one_plus" (Gemma:
+            ... * (1 + w)) or "none" (hidden already normalised).
+        logit_scale: finite, multiplies logits before the softcap.
+        softcap: None or > 0: logits = softcap * tanh(logits / softcap) (Gemma 2).
+        outputs: any of "logits", "logprobs", "lse", "argmax", "topk", "draft" (lse and argmax
+            are always filled).
+        k: top-k size, 1 <= k <= V, any integer; read only for "topk".
+        draft_ids: [Vd] strictly increasing target ids of the draft vocabulary (any integer
+            dtype); read only for "draft". See `draft_ids_from_d2t` / `draft_ids_from_t2d`.
+        out_dtype: bf16 | fp16 | fp32 for logits, logprobs, topk_logprobs, draft_logprobs.
+        impl: "auto" | "triton" | "torch".
+
+    Returns:
+        HeadOutput with leading dims of `hidden`: lse [...] fp32, argmax [...] int64 (ties ->
+        lower id); logits / logprobs [..., V]; topk_ids [..., k] int64 and topk_logprobs
+        [..., k] ordered by (probability desc, id asc), topk_tail [...] fp32 mass outside the
+        top-k; draft_logprobs [..., Vd] (log_softmax over the draft ids only) and
+        argmax_in_draft [...] bool. Unrequested fields are None.
+
+    Raises:
+        ValueError naming the argument (and shapes) for any invalid input.
+    """
+    req, lead, impl = _validate(
+        hidden,
+        weight,
+        norm_weight,
+        eps=eps,
+        norm=norm,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        outputs=outputs,
+        k=k,
+        draft_ids=draft_ids,
+        out_dtype=out_dtype,
+        impl=impl,
+    )
+    if req.n_rows == 0:
+        out = _empty_output(req)
+    elif impl == "triton":
+        out = _triton_impl()(req)
+    else:
+        out = lm_head_torch(req)
+    return out.reshape(lead)
+
+
+def draft_ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:
+    """Draft vocabulary as target ids from EAGLE-3 `d2t` offsets: target_id[i] = i + d2t[i].
+
+    d2t: integer [Vd] (SpecForge / NeMo AutoModel store it so). Returns int64 [Vd] on d2t's
+    device. Draft index i keeps column i (draft_logprobs[..., i] is draft token i), so the
+    result must already be strictly increasing; it is validated, never re-sorted, because a
+    silent sort would misalign columns and draft tokens.
+    """
+    if (
+        not isinstance(d2t, torch.Tensor)
+        or d2t.dtype == torch.bool
+        or d2t.is_floating_point()
+        or d2t.is_complex()
+    ):
+        raise ValueError(
+            "d2t must be an integer tensor of offsets, got "
+            f"{getattr(d2t, 'dtype', type(d2t).__name__)}"
+        )
+    if d2t.dim() != 1 or d2t.numel() == 0:
+        raise ValueError(f"d2t must be a non-empty 1-D tensor, got shape {_shape(d2t)}")
+    ids = torch.arange(d2t.numel(), device=d2t.device, dtype=torch.int64) + d2t.to(torch.int64)
+    if int(ids.min()) < 0:
+        raise ValueError(
+            f"d2t gives negative target ids (min {int(ids.min())}); shape {_shape(d2t)}"
+        )
+    _check_strictly_increasing("draft ids from d2t (i + d2t[i])", ids)
+    return ids
+
+
+def draft_ids_from_t2d(t2d_mask: torch.Tensor) -> torch.Tensor:
+    """Draft vocabulary as target ids from EAGLE-3's `t2d` mask: bool [V] -> int64 [Vd], sorted."""
+    if not isinstance(t2d_mask, torch.Tensor) or t2d_mask.dtype != torch.bool:
+        raise ValueError(
+            "t2d_mask must be a bool tensor, got "
+            f"{getattr(t2d_mask, 'dtype', type(t2d_mask).__name__)}"
+        )
+    if t2d_mask.dim() != 1:
+        raise ValueError(f"t2d_mask must be 1-D [V], got shape {_shape(t2d_mask)}")
+    ids = t2d_mask.nonzero(as_tuple=True)[0].to(torch.int64)
+    if ids.numel() == 0:
+        raise ValueError(f"t2d_mask selects no token (shape {_shape(t2d_mask)})")
+    return ids
+
+
+class _Package(types.ModuleType):
+    """Keeps `eagle_fast.kernels.lm_head` bound to the public function.
+
+    The first import of the submodule `kernels/lm_head.py` makes Python's import system set the
+    package attribute `lm_head` to that module, which would silently replace the function for
+    every later `from eagle_fast.kernels import lm_head`. The submodule stays reachable through
+    sys.modules (`from eagle_fast.kernels.lm_head import ...`, importlib).
+    """
+
+    def __setattr__(self, name, value):
+        if name == "lm_head" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
