@@ -7,12 +7,13 @@ materialising an fp32 [N, V] logits buffer. Semantics are those of `reference.lm
 Design
 ------
 1. Prologue `_rms_norm_kernel` (one program per row on a GPU): row statistics in fp32,
-   y = (x * rsqrt(mean(x^2) + eps) * w).to(weight dtype), written as y [N, H]. Chosen over
+   y = norm(x) in the weight dtype (reference.normalize), written as y [N, H]. Chosen over
    applying the norm inside the GEMM's K-loop because y is O(N*H) (64 MB for N=8192,
    H=4096: ~30 us of HBM traffic against a ~13 ms GEMM) and then both GEMM operands go
    straight from global to shared memory through the async-copy pipeline into wgmma; a
    K-loop prologue would route every A tile through registers for the scale-and-round.
-   y is rounded ONCE to the weight dtype, as transformers / vLLM do.
+   y is rounded exactly as transformers / vLLM round it (twice for Llama-style RMSNorm:
+   x * r, then its product with the weight; once for Gemma's (1 + w) form).
 2. `_lm_head_fwd_kernel`, one program per [BLOCK_N rows x BLOCK_V vocab] tile, grouped
    ordering (GROUP_SIZE row blocks sweep the vocabulary together, as in the Triton matmul
    tutorial) so a weight tile is fetched from HBM once per group and the group's y rows stay
@@ -178,10 +179,19 @@ def _rms_norm_kernel(
         ms = tl.where(rows < N, tl.sum(x * x, axis=1) / H, 1.0)  # padding rows: no 1/0
         # IEEE sqrt and division (not rsqrt.approx): the reference computes 1/sqrt in fp32
         r = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.math.sqrt_rn(ms + eps))
-        w = tl.load(NW_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
+        w = tl.load(NW_ptr + offs, mask=offs < H, other=0.0)
         if NORM_MODE == 2:
-            w = 1.0 + w
-        x = (x * r[:, None]) * w[None, :]
+            # Gemma: (x * r) * (1 + w) in fp32, rounded once below.
+            x = (x * r[:, None]) * (1.0 + w.to(tl.float32))[None, :]
+        else:
+            # Llama/Qwen (transformers and vLLM): round x * r to the weight dtype, then
+            # multiply by the weight in that dtype (rounded again below).
+            x = x * r[:, None]
+            if INTERPRET:
+                x = _round_rne(x, Y_ptr.dtype.element_ty)
+                w = _round_rne(w.to(tl.float32), Y_ptr.dtype.element_ty)
+            x = x.to(Y_ptr.dtype.element_ty).to(tl.float32)
+            x = x * w.to(Y_ptr.dtype.element_ty).to(tl.float32)[None, :]
     if INTERPRET:
         x = _round_rne(x, Y_ptr.dtype.element_ty)
     tl.store(
@@ -614,7 +624,7 @@ def _run_kernel(kernel, grid, interpret: bool, *args, **kwargs):
 
 
 def _normalize(req: HeadRequest, interpret: bool) -> torch.Tensor:
-    """y = norm(hidden) rounded once to the weight dtype, [N, H] contiguous."""
+    """y = norm(hidden) in the weight dtype, rounded as reference.normalize, [N, H] contiguous."""
     hidden, weight = req.hidden, req.weight
     if req.norm == "none" and hidden.dtype == weight.dtype:
         return hidden

@@ -9,9 +9,10 @@ What it does
 Semantics (both implementations follow them; this module defines them)
     x32    = hidden.float()                                       [N, H]
     r      = rsqrt(mean(x32 ** 2, -1) + eps)                       [N]    fp32
-    y      = ((x32 * r) * w32).to(weight.dtype)                    [N, H] one rounding
-             w32 = norm_weight.float() ("rms") | 1 + norm_weight.float() ("rms_one_plus");
-             "none": y = hidden.to(weight.dtype)
+    y      = rounded to weight.dtype as the served model rounds it  [N, H]
+             "rms" (Llama/Qwen, transformers and vLLM): rnd(rnd(x32 * r) * rnd(norm_weight))
+             "rms_one_plus" (Gemma): rnd(x32 * r * (1 + norm_weight.float()))
+             "none": rnd(x32);  rnd = round to nearest-even in weight.dtype
     logits = (y @ weight.T accumulated in fp32) * logit_scale      [N, V] fp32
              then softcap * tanh(logits / softcap) when softcap is set
     lse    = logsumexp(logits)                                     fp32
@@ -131,8 +132,21 @@ def normalize(
     norm: str,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """y = normalize_fp32(...) rounded once, to nearest-even, to `dtype` (the weight dtype)."""
-    return normalize_fp32(hidden, norm_weight, eps=eps, norm=norm).to(dtype)
+    """y, the GEMM's input in `dtype` (the weight dtype), rounded as the served model rounds it.
+
+    "rms":          y = rnd(rnd(x32 * r) * rnd(w)), r = rsqrt(mean(x32^2) + eps): transformers'
+                    Llama/Qwen RMSNorm (`weight * hidden.to(dtype)`) and vLLM's rms_norm both
+                    round the normalised activation, then multiply by the weight in `dtype`.
+    "rms_one_plus": y = rnd(x32 * r * (1 + w32)): Gemma multiplies in fp32 and rounds once.
+    "none":         y = rnd(x32).
+    rnd = round to nearest-even in `dtype` (the identity for fp32).
+    """
+    if norm != "rms" or dtype == torch.float32:
+        return normalize_fp32(hidden, norm_weight, eps=eps, norm=norm).to(dtype)
+    x32 = hidden.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    xn = (x32 * r).to(dtype).float()
+    return (xn * norm_weight.to(dtype).float()).to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
