@@ -31,8 +31,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# pytest-benchmark over bench/bench_*.py (head, runner, pipeline), then bench/RESULTS.md and the
+# plots from bench/results/*.json; see bench/README.md. About 6-10 minutes on 2 cores.
 bench: $(STAMP)
-	$(BIN)/python -m pytest -q bench --benchmark-disable-gc -p no:cacheprovider
+	$(BIN)/python bench/run.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check eagle_fast kernels tests bench

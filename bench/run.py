@@ -1,0 +1,72 @@
+"""`make bench`: run the benchmarks through pytest-benchmark, then refresh RESULTS.md and the plots.
+
+What it does
+    1. pytest (in this process) over bench/bench_lm_head.py, bench_runner.py and
+       bench_pipeline.py, with pytest-benchmark driving the timed rounds. Each module writes its
+       own results JSON into bench/results/ (or --out) as it finishes.
+    2. bench/report.py turns every JSON there into bench/RESULTS.md and the plots.
+    3. Prints every PASS/FAIL line from the fresh JSONs and the wall time.
+
+Design
+    Bench files are named bench_*.py and collected only here (`-o python_files=bench_*.py`);
+    `make test` never sees them (pyproject's testpaths is ["tests"]). Started as a script, this
+    file puts bench/ (not the repository root) first on sys.path, so the repository's top-level
+    `kernels/` directory can never shadow Hugging Face's `kernels` package inside transformers.
+    A missed target does not fail the run (the page records it); a benchmark that errors does.
+
+Limits
+    `--only` picks modules; the CPU suite is sized for 10 minutes on 2 cores (bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline": "bench_pipeline.py"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(MODULES), help="comma list of: " + ", ".join(MODULES))
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    a = ap.parse_args(argv)
+    names = [n.strip() for n in a.only.split(",") if n.strip()]
+    bad = [n for n in names if n not in MODULES]
+    if bad:
+        ap.error(f"unknown module(s) {bad}; pick from {list(MODULES)}")
+    os.environ["EAGLE_FAST_BENCH_OUT"] = str(a.out.resolve())
+    for k, v in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(k, v)
+
+    import pytest
+
+    t0 = time.perf_counter()
+    started = time.time()
+    args = ["-q", "-p", "no:cacheprovider", "--benchmark-disable-gc", "-o", "python_files=bench_*.py",
+            "--rootdir", str(HERE.parent), "--benchmark-columns=min,median,max,rounds",
+            *[str(HERE / MODULES[n]) for n in names], *a.pytest_args]
+    rc = pytest.main(args)
+
+    import report
+
+    report.build(a.out, report.PAGE if a.out.resolve() == (HERE / "results").resolve() else a.out / "RESULTS.md")
+    print("\n==== targets (from this run's results) ====")
+    for p in sorted(a.out.glob("*.json")):
+        if p.stat().st_mtime < started:
+            continue
+        d = json.loads(p.read_text())
+        for t in d.get("targets", []):
+            print(f"{t['result']:4s}  {t['target']}: {t['detail']}")
+    print(f"==== make bench wall time: {time.perf_counter() - t0:.0f} s; pytest exit {int(rc)} ====")
+    return int(rc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
