@@ -1,0 +1,206 @@
+"""`eagle-fast` command line: extract, vocab, verify, inspect, merge, demo.
+
+User mistakes (bad paths, bad lines in the data, settings that clash with an existing
+dataset, ...) raise `UserError`; `main` prints its cause and fix on stderr and returns 2, with
+no traceback. A tolerance failure in `verify` returns 1. Ctrl-C returns 130 and says how to
+resume. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import sys
+from pathlib import Path
+
+from eagle_fast import __version__
+from eagle_fast.manifest import UserError
+
+EXAMPLES = """\
+examples:
+  eagle-fast demo
+  eagle-fast vocab   --model ./Qwen3-8B --data chats.jsonl --size 32000 --out vocab.pt
+  eagle-fast extract --model ./Qwen3-8B --data chats.jsonl --out ds/ --draft-vocab vocab.pt
+  eagle-fast verify  ds/ --model ./Qwen3-8B
+  eagle-fast extract ... --out ds/ --shard 0/4      (one node of four; then `eagle-fast merge ds/`)
+"""
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-len", type=int, default=2048, help="longest sample in tokens (default 2048)")
+    p.add_argument("--overlong", choices=("truncate", "skip"), default="truncate",
+                   help="what to do with longer samples (default truncate; the count is reported)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="eagle-fast",
+        description="EAGLE-3 training data from a target LLM: hidden-state capture plus a fused LM head.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"eagle-fast {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("extract", help="extract a dataset (resumable)",
+                       description="Run the target over a jsonl dataset and write EAGLE-3 supervision.")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory of the target")
+    p.add_argument("--data", required=True, help="jsonl: one of messages | text | input_ids (+loss_mask) per line")
+    p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
+    p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
+                   help="vllm (default when installed) or hf (transformers)")
+    p.add_argument("--aux-layers", default=None, metavar="I,J,K",
+                   help="three decoder-layer indices (NeMo AutoModel's convention); default low/mid/high")
+    p.add_argument("--supervision", choices=("draft", "topk", "lse", "logits", "hidden"), default=None,
+                   help="what to store (default: draft with --draft-vocab, else topk; nemo: draft; "
+                        "speculators: hidden)")
+    p.add_argument("--k", type=int, default=64, help="top-k width for --supervision topk (default 64)")
+    p.add_argument("--draft-vocab", default=None, metavar="FILE", help="d2t/t2d file from `eagle-fast vocab`")
+    _add_data_args(p)
+    p.add_argument("--batch-tokens", type=int, default=16384, help="token budget per engine call (default 16384)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="dtype the target runs in (default: the checkpoint's)")
+    p.add_argument("--out-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="stored dtype of log-prob / logit fields, native format (default fp32)")
+    p.add_argument("--shard", default=None, metavar="I/N", help="this node's slice of N (merge with `eagle-fast merge`)")
+    p.add_argument("--shard-size", type=int, default=256, help="samples per shard file (default 256)")
+    p.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators"), default="native",
+                   help="on-disk layout (default native)")
+
+    p = sub.add_parser("vocab", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
+    p.add_argument("--model", required=True, help="checkpoint directory (for its tokenizer and vocab size)")
+    p.add_argument("--data", required=True, help="jsonl, as for extract")
+    p.add_argument("--size", type=int, default=32000, help="draft vocabulary size (default 32000)")
+    p.add_argument("--out", required=True, help="output file (.pt or .safetensors)")
+    _add_data_args(p)
+
+    p = sub.add_parser("verify", help="recompute random samples with transformers and compare")
+    p.add_argument("dir", help="dataset directory")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the one in the manifest)")
+    p.add_argument("--samples", type=int, default=8, help="samples to recompute (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="which random samples (default 0)")
+    p.add_argument("--tolerance-scale", type=float, default=1.0, help="multiply every tolerance (default 1)")
+
+    p = sub.add_parser("inspect", help="summarise a dataset")
+    p.add_argument("dir", help="dataset directory")
+    p.add_argument("--json", action="store_true", help="print the manifest instead")
+
+    p = sub.add_parser("merge", help="merge the --shard I/N parts into one dataset")
+    p.add_argument("dir", help="output directory (may already hold parts written by the nodes)")
+    p.add_argument("parts", nargs="*", help="more directories holding parts (files are linked or copied)")
+
+    p = sub.add_parser("demo", help="build a small model + chat data and run vocab, extract, verify")
+    p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto")
+    p.add_argument("--out", default=None, help="dataset directory (default: under the cache)")
+    p.add_argument("--cache", default=None, help="cache directory (default $EAGLE_FAST_CACHE or ~/.cache/eagle_fast)")
+    return parser
+
+
+def cmd_extract(a: argparse.Namespace) -> int:
+    from eagle_fast.extract import ExtractConfig, extract
+
+    cfg = ExtractConfig(
+        model=a.model, data=a.data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
+        supervision=a.supervision, k=a.k, draft_vocab=a.draft_vocab, max_len=a.max_len,
+        overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
+        out_dtype=a.out_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
+    )
+    summary = extract(cfg)
+    print(summary.text())
+    if summary.complete and cfg.shard:
+        print(f"this node's part is complete; once every node is done run: eagle-fast merge {a.out}")
+    return 0
+
+
+def cmd_vocab(a: argparse.Namespace) -> int:
+    from eagle_fast.vocab import build_vocab
+
+    build_vocab(a.model, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong)
+    return 0
+
+
+def verify_report(ok: bool, reports, picks, directory: str) -> str:
+    lines = [f"verify {directory}: recomputed samples {picks} with HFTargetRunner",
+             f"  {'field':<22} {'check':<6} {'max error':>12} {'limit':>12}  result"]
+    for r in reports:
+        value = f"{r.value:.3e}" if r.kind == "float" else (f"{100 * r.value:.2f}%" if r.kind == "rate"
+                                                            else f"{int(r.value)} diff")
+        limit = f"{r.limit:.3e}" if r.kind == "float" else (f"{100 * r.limit:.2f}%" if r.kind == "rate"
+                                                            else "exact")
+        lines.append(f"  {r.name:<22} {r.kind:<6} {value:>12} {limit:>12}  {'ok' if r.ok else 'FAIL'}")
+    lines.append("verify: PASS" if ok else "verify: FAIL (errors beyond tolerance)")
+    return "\n".join(lines)
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    from eagle_fast.extract import verify
+
+    if a.samples < 1:
+        raise UserError(f"--samples must be at least 1, got {a.samples}", "pass e.g. --samples 8")
+    ok, reports, picks = verify(a.dir, a.model, samples=a.samples, seed=a.seed, tol_scale=a.tolerance_scale)
+    print(verify_report(ok, reports, picks, a.dir))
+    return 0 if ok else 1
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from eagle_fast.extract import inspect_text
+    from eagle_fast.manifest import MANIFEST_NAME, read_manifest
+
+    if a.json:
+        read_manifest(a.dir)  # validates
+        print((Path(a.dir) / MANIFEST_NAME).read_text(), end="")
+    else:
+        print(inspect_text(a.dir))
+    return 0
+
+
+def cmd_merge(a: argparse.Namespace) -> int:
+    from eagle_fast.extract import merge
+
+    m = merge(a.dir, a.parts)
+    print(f"merged {len(m['shards'])} shards ({m['num_samples']:,} samples) into {a.dir}/manifest.json")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from eagle_fast.demo import run_demo
+
+    return run_demo(engine=a.engine, out=a.out, cache=a.cache)
+
+
+COMMANDS = {"extract": cmd_extract, "vocab": cmd_vocab, "verify": cmd_verify, "inspect": cmd_inspect,
+            "merge": cmd_merge, "demo": cmd_demo}
+
+
+def _print_error(cause: str, fix: str | None) -> None:
+    sys.stderr.write(f"eagle-fast: error: {cause}\n")
+    if fix:
+        sys.stderr.write(f"eagle-fast: fix: {fix}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except UserError as exc:
+        _print_error(exc.cause, exc.fix)
+        return 2
+    except KeyboardInterrupt:
+        _print_error("interrupted", "re-run the same command to resume; finished shards are kept")
+        return 130
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS):
+            _print_error(f"{exc.strerror}: {exc.filename or ''}".rstrip(": "),
+                         "free disk space or fix permissions, then re-run the same command to resume")
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""`Eagle3Dataset`: a torch Dataset over an extracted directory, read lazily from memory maps.
+
+    ds = Eagle3Dataset("out/")          # validates the manifest and every file (cheaply)
+    sample = ds[0]                      # dict of CPU tensors for one sample
+    loader = DataLoader(ds, batch_size=8, collate_fn=Eagle3Dataset.collate)
+
+Native layout samples hold `input_ids` int64 [T], `loss_mask` bool [T], `aux_hidden_states`
+[T, 3H] (target dtype) and the supervision fields named as in `HeadOutput` (`draft_logprobs`
++ `argmax_in_draft`, or `topk_ids` + `topk_logprobs` + `topk_tail`, or `logits`, always `lse`
+and `argmax`; or `hidden`, the pre-norm final hidden state), row t being the target's output
+after tokens 0..t. The nemo and speculators layouts yield their stored per-sample tensors
+as their own readers would (use NeMo's `CachedEagle3Dataset` for NeMo training).
+
+Opening checks the manifest (format, version, completeness) and each file's size and
+safetensors-header hash; `verify="full"` re-hashes every byte (slow on big datasets).
+Safetensors handles are opened on first use and reopened in each DataLoader worker process.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from eagle_fast.formats import SamplePlan, make_layout, spec_from_manifest
+from eagle_fast.manifest import (
+    UserError,
+    check_file_cheap,
+    check_file_full,
+    iter_files,
+    read_manifest,
+)
+
+
+class Eagle3Dataset(Dataset):
+    """Samples of an eagle-fast dataset directory (see module doc)."""
+
+    def __init__(self, directory: str | os.PathLike, verify: str = "cheap", allow_incomplete: bool = False):
+        if verify not in ("cheap", "full", "none"):
+            raise ValueError(f"verify must be 'cheap', 'full' or 'none', got {verify!r}")
+        self.root = Path(directory)
+        self.manifest = m = read_manifest(self.root)
+        if not m.get("complete") and not allow_incomplete:
+            raise UserError(
+                f"{self.root} is incomplete ({len(m['shards'])}/{m['num_shards']} shards written)",
+                "re-run the same `eagle-fast extract` command to resume it"
+                + (", or `eagle-fast merge` the per-node parts" if m.get("part") else ""),
+            )
+        if verify != "none":
+            check = check_file_full if verify == "full" else check_file_cheap
+            for rec in iter_files(m):
+                reason = check(self.root, rec)
+                if reason is not None:
+                    raise UserError(
+                        f"{self.root}: {reason}",
+                        "delete that file and re-run the extract command to rewrite it"
+                        if m["layout"] != "nemo" or "shard-" in rec["path"] else "re-extract the dataset",
+                    )
+        self.spec = spec_from_manifest(m)
+        self.layout = make_layout(self.spec)
+        self.shards = sorted(m["shards"], key=lambda r: r["index"])
+        self._starts: list[int] = []
+        total = 0
+        for rec in self.shards:
+            self._starts.append(total)
+            total += int(rec["samples"])
+        self._len = total
+        if m.get("complete") and total != int(m["num_samples"]):
+            raise UserError(f"{self.root}: shards hold {total} samples, the manifest says {m['num_samples']}",
+                            "re-extract the dataset")
+        self._handles: dict = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _locate(self, index: int) -> tuple[dict, int]:
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError(index)
+        s = bisect.bisect_right(self._starts, index) - 1
+        return self.shards[s], index - self._starts[s]
+
+    def _h(self) -> dict:
+        if os.getpid() != self._pid:  # a forked DataLoader worker: do not share mmaps/handles
+            self._handles, self._pid = {}, os.getpid()
+        return self._handles
+
+    def raw(self, index: int) -> dict[str, torch.Tensor]:
+        """The stored per-sample tensors, exactly as this layout's `encode` produces them."""
+        rec, local = self._locate(index)
+        return self.layout.read_sample(self.root, rec, local, self._h())
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.raw(index)
+
+    def length(self, index: int) -> int:
+        """Token count of sample `index` (unpadded)."""
+        rec, local = self._locate(index)
+        if self.layout.name == "native":
+            from eagle_fast.formats import _safe_open
+
+            h = _safe_open(self.root / rec["files"][0]["path"], self._h())
+            off = h.get_slice("offsets")[local: local + 2]
+            return int(off[1] - off[0])
+        if self.layout.name == "nemo":
+            return int(self.raw(index)["attention_mask"].sum())
+        return int(self.raw(index)["token_ids"].numel())
+
+    def sample_plan(self, index: int) -> SamplePlan:
+        """The tokenised input of sample `index` (what the engine was given)."""
+        rec, local = self._locate(index)
+        line = int(rec.get("lines", [0] * (local + 1))[local])
+        t = self.raw(index)
+        if self.layout.name == "native":
+            ids, mask = t["input_ids"], t["loss_mask"]
+        elif self.layout.name == "speculators":
+            ids, mask = t["token_ids"], t["loss_mask"]
+        else:
+            n = int(t["attention_mask"].sum())
+            first = torch.tensor([int(rec["first_tokens"][local])], dtype=torch.int64)
+            ids = torch.cat([first, t["input_ids"][: n - 1]])
+            # Position 0's loss flag is shifted out of NeMo's frame; any value encodes the same.
+            mask = torch.cat([torch.zeros(1, dtype=torch.int64), t["loss_mask"][: n - 1]])
+        return SamplePlan(index, line, ids.to(torch.int64).tolist(), mask.to(torch.int64).tolist())
+
+    @staticmethod
+    def collate(batch: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+        """Right-pad native samples to the longest one; adds `attention_mask` [B, T] (bool).
+
+        Padded rows are zero (`pad_id` for input_ids, False for masks), so `loss_mask` keeps
+        them out of any loss.
+        """
+        lengths = [b["input_ids"].shape[0] for b in batch]
+        T = max(lengths)
+        out: dict[str, torch.Tensor] = {}
+        for name in batch[0]:
+            first = batch[0][name]
+            full = torch.full((len(batch), T, *first.shape[1:]), pad_id if name == "input_ids" else 0,
+                              dtype=first.dtype)
+            for i, b in enumerate(batch):
+                full[i, : lengths[i]] = b[name]
+            out[name] = full
+        mask = torch.zeros(len(batch), T, dtype=torch.bool)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = True
+        out["attention_mask"] = mask
+        return out
+
+    def __repr__(self) -> str:
+        return (f"Eagle3Dataset({str(self.root)!r}, layout={self.layout.name}, kind={self.spec.kind}, "
+                f"samples={self._len})")
+

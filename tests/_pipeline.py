@@ -1,0 +1,69 @@
+"""Helpers shared by the pipeline tests (extract, cli, vocab, formats, dataset, e2e)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+DEMO_DATA = Path(__file__).resolve().parents[1] / "eagle_fast" / "data" / "demo_chat.jsonl"
+
+
+def chat_lines(n: int, start: int = 0) -> list[str]:
+    lines = DEMO_DATA.read_text().splitlines()
+    return lines[start: start + n]
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    """Write records (dicts are JSON-encoded, strings written as they are)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def mixed_jsonl(path: Path, n_chat: int = 16) -> Path:
+    """Chat lines from the bundled data plus a `text` line and an `input_ids` line."""
+    lines = chat_lines(n_chat)
+    lines.insert(3, json.dumps({"text": "The quick brown fox jumps over the lazy dog. 1 2 3"}))
+    lines.insert(7, json.dumps({"input_ids": [5, 17, 99, 230, 4, 8, 15, 16, 23, 42],
+                                "loss_mask": [0, 0, 0, 1, 1, 1, 1, 0, 1, 1]}))
+    return write_jsonl(path, lines)
+
+
+def tree_digest(root: Path, skip_manifest: bool = False) -> dict[str, str]:
+    """relative path -> sha256 of every file under root (hidden temp files included)."""
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file():
+            rel = p.relative_to(root).as_posix()
+            if skip_manifest and rel.startswith("manifest"):
+                continue
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def manifest_core(root: Path, name: str = "manifest.json") -> dict:
+    """The manifest without per-invocation fields (run statistics), ours or inside NeMo's."""
+    m = json.loads((Path(root) / name).read_text())
+    inner = m.get("eagle_fast", m)
+    inner = {k: v for k, v in inner.items() if k != "runs"}
+    if "eagle_fast" in m:
+        return {**{k: v for k, v in m.items() if k != "eagle_fast"}, "eagle_fast": inner}
+    return inner
+
+
+class SharedRunner:
+    """Hands one real runner to several `extract` calls: `close()` is deferred to `really_close()`."""
+
+    def __init__(self, runner):
+        self._runner = runner
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def close(self) -> None:
+        pass
+
+    def really_close(self) -> None:
+        self._runner.close()
+

