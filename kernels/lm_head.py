@@ -590,6 +590,19 @@ def _call_interpreted(self, *args, **kwargs):
     return rewrite()(*args, **kwargs)
 
 
+def _prepatch_interpreter(kernel) -> None:
+    from triton.language import standard
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang", None)
+    if patch is None:  # other triton internals: InterpretedFunction patches per call itself
+        return
+    for fn in (getattr(kernel, "fn", kernel), standard.max.fn):
+        key = id(fn.__globals__)
+        if key not in _INTERP_SCOPES:
+            _INTERP_SCOPES[key] = patch(fn)
+
+
 def _run_kernel(kernel, grid, interpret: bool, *args, **kwargs):
     """Launch `kernel[grid](...)`, compiled, or in triton's interpreter when `interpret`.
 
@@ -611,6 +624,13 @@ def _run_kernel(kernel, grid, interpret: bool, *args, **kwargs):
         saved = JITFunction.__call__
         JITFunction.__call__ = _call_interpreted
         try:
+            # Patch the language for our module and for triton.language.standard (tl.max,
+            # tl.sum, ...) BEFORE the launch: the launch's own patch then nests inside ours and
+            # is undone first, and ours (undone in the finally) restores the true originals.
+            # Patched lazily inside the launch instead, our scopes would record the launch's
+            # patched attributes as "originals" and leave triton.language patched afterwards,
+            # breaking every later compilation in the process.
+            _prepatch_interpreter(kernel)
             fn[grid](*args, **kwargs)
         finally:
             JITFunction.__call__ = saved

@@ -254,3 +254,23 @@ def test_compiled_kernel_matches_oracle_on_cuda(outputs):
         assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=1e-3, rtol=1e-5, name="draft")
     if "logits" in outputs:
         assert_close(out.logits, oracle.logits, atol=1e-3, rtol=1e-5, name="logits")
+
+
+def _language_snapshot() -> dict:
+    objs = {"tl": tl, "tl.core": tl.core, "tl.math": tl.math, "tl.tensor": tl.tensor}
+    return {(name, attr): value for name, obj in objs.items() for attr, value in vars(obj).items()}
+
+
+def test_full_head_launch_restores_triton_language():
+    # A real head launch reaches tl.max / tl.sum (triton.language.standard) and our own jit
+    # helpers; every patch the interpreter made must be undone, or later compilations in the
+    # same process (the AOT test) fail with "Unsupported function referenced: _new_reduce".
+    from eagle_fast.kernels import lm_head
+
+    before = _language_snapshot()
+    hidden, weight, nw = torch.randn(5, 64), torch.randn(300, 64), torch.rand(64) + 0.5
+    lm_head(hidden, weight, nw, outputs=("lse", "argmax", "topk", "draft"), k=3,
+            draft_ids=torch.arange(0, 300, 7), impl="triton")  # fmt: skip
+    after = _language_snapshot()
+    changed = sorted(key for key in before.keys() | after.keys() if after.get(key) is not before.get(key))
+    assert not changed, f"triton.language left patched: {changed[:10]}"
