@@ -47,9 +47,11 @@ __all__ = [
 # Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
 HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
 SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
-# Rows of the head per call in `forward_eagle3`: bounds the transient [rows, V] fp32 logits the
-# head returns before they are copied into the [B, S, V] output (8192 x 152k x 4 B = 5 GB).
-_LOGITS_ROWS_PER_CALL = 8192
+# Bytes of the transient [rows, V] fp32 logits the head returns in `forward_eagle3` before they
+# are copied into the [B, S, V] output. 8192 rows of a 152k vocabulary would be another 5 GB on
+# top of the 5 GB output (measured by bench/bench_runner.py); 512 MiB is ~860 such rows, still
+# large enough that the per-call overhead is noise next to the GEMM.
+_LOGITS_TRANSIENT_BYTES = 512 << 20
 
 
 @runtime_checkable
@@ -406,7 +408,8 @@ class RunnerBase:
         device = input_ids.device
         aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
         logits = torch.zeros(B, S, self.head.vocab_size, dtype=torch.float32, device=device)
-        for rows in _row_groups(lens, _LOGITS_ROWS_PER_CALL):
+        max_rows = max(1, _LOGITS_TRANSIENT_BYTES // (4 * self.head.vocab_size))
+        for rows in _row_groups(lens, max_rows):
             final = torch.cat([captures[b][1] for b in rows])
             out = self.head.logits(final).to(device)
             start = 0
