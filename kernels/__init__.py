@@ -6,7 +6,7 @@ What it does
     logprobs) through one of two implementations with the same semantics
     (`reference.py`'s header defines them):
       impl="torch"  `reference.lm_head_torch`: PyTorch, any device, chunked over the vocabulary;
-      impl="triton" `lm_head.lm_head_triton`: the fused Triton kernel (CUDA, or the Triton
+      impl="triton" `lm_head_triton.lm_head_triton`: the fused Triton kernel (CUDA, or the Triton
                     interpreter for CPU tensors);
       impl="auto"   Triton for CUDA tensors when Triton is importable, torch otherwise.
 
@@ -23,10 +23,8 @@ Limits
     ignored otherwise. `norm_weight` with norm="none" is rejected (it would be ignored, which is
     almost certainly a caller bug).
     Importing this package imports neither triton nor the kernel module and touches no CUDA.
-    The kernel module shares the public function's name (`kernels/lm_head.py`); the package
-    keeps `eagle_fast.kernels.lm_head` bound to the FUNCTION even after that submodule loads
-    (see `_Package`), so import the kernel as `from eagle_fast.kernels.lm_head import
-    lm_head_triton`, never as `import eagle_fast.kernels.lm_head as m`.
+    The kernel module is `lm_head_triton` (not `lm_head`: a submodule of the same name as the
+    public function would replace it as a package attribute the first time it is imported).
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ import importlib
 import importlib.util
 import math
 import numbers
-import sys
-import types
 from collections.abc import Iterable
 
 import torch
@@ -243,7 +239,7 @@ def _validate(
 
 
 def _triton_impl():
-    from .lm_head import lm_head_triton  # lazy: imports triton
+    from .lm_head_triton import lm_head_triton  # lazy: imports triton
 
     return lm_head_triton
 
@@ -361,21 +357,3 @@ def draft_ids_from_t2d(t2d_mask: torch.Tensor) -> torch.Tensor:
     if ids.numel() == 0:
         raise ValueError(f"t2d_mask selects no token (shape {_shape(t2d_mask)})")
     return ids
-
-
-class _Package(types.ModuleType):
-    """Keeps `eagle_fast.kernels.lm_head` bound to the public function.
-
-    The first import of the submodule `kernels/lm_head.py` makes Python's import system set the
-    package attribute `lm_head` to that module, which would silently replace the function for
-    every later `from eagle_fast.kernels import lm_head`. The submodule stays reachable through
-    sys.modules (`from eagle_fast.kernels.lm_head import ...`, importlib).
-    """
-
-    def __setattr__(self, name, value):
-        if name == "lm_head" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

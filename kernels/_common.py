@@ -4,7 +4,7 @@
 hands a `HeadRequest` to one implementation:
   - `reference.lm_head_torch(req)`  (PyTorch, any device; the CPU fallback and the oracle's
     rounding model), and
-  - `lm_head.lm_head_triton(req)`   (the fused Triton kernel; CUDA, or the Triton interpreter
+  - `lm_head_triton.lm_head_triton(req)`   (the fused Triton kernel; CUDA, or the Triton interpreter
     for CPU tensors).
 Both return a `HeadOutput` with 2-D / 1-D fields (N leading); the public function reshapes.
 """

@@ -5,7 +5,7 @@ warps and stages the launcher picks for N=8192, H=4096, V=151,936 (`compile_for`
 launcher's own `_default_config`), and the norm prologue for each norm mode. Asserted:
   - bf16 / fp16 weights run on tensor cores: `wgmma` in the PTX;
   - ptxas register spills: 0 bytes for variants without top-k, at most
-    `_TOPK_SPILL_BOUND` bytes with top-k (the bound is stated in kernels/lm_head.py);
+    `_TOPK_SPILL_BOUND` bytes with top-k (the bound is stated in kernels/lm_head_triton.py);
   - shared memory within Hopper's 227 KB per block.
 Spill counts come from the ptxas log of the real compile (TRITON_DUMP_PTXAS_LOG), i.e. the
 same ptxas and flags triton uses for the cubin. Each kernel is compiled once per session in
@@ -28,7 +28,7 @@ from eagle_fast.kernels._common import HeadRequest
 
 triton = pytest.importorskip("triton")
 
-lm = importlib.import_module("eagle_fast.kernels.lm_head")
+lm = importlib.import_module("eagle_fast.kernels.lm_head_triton")
 if not isinstance(lm._lm_head_fwd_kernel, triton.runtime.jit.JITFunction):
     # TRITON_INTERPRET=1 at import time made them InterpretedFunctions
     pytest.skip("kernels were built for the interpreter: no AOT compile", allow_module_level=True)

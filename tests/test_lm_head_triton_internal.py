@@ -1,4 +1,4 @@
-"""Kernel-internal tests of kernels/lm_head.py (the Triton head), beyond the public-API suite.
+"""Kernel-internal tests of kernels/lm_head_triton.py (the Triton head), beyond the public-API suite.
 
 What: the interpreter switch (per launch, leaves triton untouched), the RNE rounding that
 replaces the interpreter's truncating casts, the int64 top-k keys, the exact re-run of rows
@@ -20,7 +20,7 @@ from eagle_fast.kernels import lm_head
 from eagle_fast.kernels.reference import lm_head_oracle
 from triton.runtime.jit import JITFunction
 
-lm = importlib.import_module("eagle_fast.kernels.lm_head")
+lm = importlib.import_module("eagle_fast.kernels.lm_head_triton")
 _pack_key = lm._pack_key
 _round_rne = lm._round_rne
 
