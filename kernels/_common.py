@@ -12,7 +12,6 @@ Both return a `HeadOutput` with 2-D / 1-D fields (N leading); the public functio
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Optional
 
 import torch
 
@@ -37,15 +36,15 @@ class HeadOutput:
 
     lse: torch.Tensor
     argmax: torch.Tensor
-    logits: Optional[torch.Tensor] = None
-    logprobs: Optional[torch.Tensor] = None
-    topk_ids: Optional[torch.Tensor] = None
-    topk_logprobs: Optional[torch.Tensor] = None
-    topk_tail: Optional[torch.Tensor] = None
-    draft_logprobs: Optional[torch.Tensor] = None
-    argmax_in_draft: Optional[torch.Tensor] = None
+    logits: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    topk_tail: torch.Tensor | None = None
+    draft_logprobs: torch.Tensor | None = None
+    argmax_in_draft: torch.Tensor | None = None
 
-    def reshape(self, lead: tuple[int, ...]) -> "HeadOutput":
+    def reshape(self, lead: tuple[int, ...]) -> HeadOutput:
         """Restore leading dims: each field's dim 0 (N rows) becomes `lead`."""
         out = {}
         for f in fields(self):
@@ -71,14 +70,14 @@ class HeadRequest:
 
     hidden: torch.Tensor
     weight: torch.Tensor
-    norm_weight: Optional[torch.Tensor]
+    norm_weight: torch.Tensor | None
     eps: float
     norm: str
     logit_scale: float
-    softcap: Optional[float]
+    softcap: float | None
     outputs: frozenset
     k: int
-    draft_ids: Optional[torch.Tensor]
+    draft_ids: torch.Tensor | None
     out_dtype: torch.dtype
 
     @property
