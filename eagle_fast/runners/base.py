@@ -39,6 +39,7 @@ __all__ = [
     "Supervision",
     "TargetRunner",
     "capture_plan",
+    "pack_by_tokens",
     "resolve_dtype",
     "unpad",
     "validate_aux_layer_ids",
@@ -409,7 +410,7 @@ class RunnerBase:
         aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
         logits = torch.zeros(B, S, self.head.vocab_size, dtype=torch.float32, device=device)
         max_rows = max(1, _LOGITS_TRANSIENT_BYTES // (4 * self.head.vocab_size))
-        for rows in _row_groups(lens, max_rows):
+        for rows in pack_by_tokens(lens, max_rows):
             final = torch.cat([captures[b][1] for b in rows])
             out = self.head.logits(final).to(device)
             start = 0
@@ -509,13 +510,14 @@ def _scatter_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _row_groups(lens: list[int], max_rows: int) -> list[list[int]]:
-    """Consecutive row indices grouped so each group has at most `max_rows` tokens (at least 1 row)."""
+def pack_by_tokens(lens: Sequence[int], budget: int) -> list[list[int]]:
+    """Greedy packing of consecutive items: positions into `lens`, grouped so each group holds at
+    most `budget` tokens; an item longer than the budget gets a group of its own."""
     groups: list[list[int]] = []
     cur: list[int] = []
     total = 0
     for b, n in enumerate(lens):
-        if cur and total + n > max_rows:
+        if cur and total + n > budget:
             groups.append(cur)
             cur, total = [], 0
         cur.append(b)
