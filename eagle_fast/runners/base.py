@@ -39,6 +39,7 @@ __all__ = [
     "Supervision",
     "TargetRunner",
     "capture_plan",
+    "load_config_and_head",
     "pack_by_tokens",
     "resolve_dtype",
     "unpad",
@@ -282,6 +283,28 @@ def resolve_dtype(config: Any, dtype: torch.dtype | str | None) -> torch.dtype:
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"unsupported target dtype {dtype}; use float32, float16 or bfloat16")
     return dtype
+
+
+def load_config_and_head(
+    model_path, dtype, device, *, trust_remote_code: bool = False, head_overrides=None
+):
+    """What every runner's `build` starts with: `(config, dtype, head)`.
+
+    The HF config, the dtype the target runs in (`resolve_dtype`), and the `TargetHead` read
+    from the checkpoint onto `device` (default: CUDA when available, else CPU).
+    """
+    from transformers import AutoConfig
+
+    from eagle_fast.head import TargetHead
+
+    config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+    dtype = resolve_dtype(config, dtype)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    head = TargetHead.from_pretrained(
+        model_path, config, dtype=dtype, device=torch.device(device), overrides=head_overrides
+    )
+    return config, dtype, head
 
 
 class _ModelShim:

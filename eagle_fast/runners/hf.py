@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from eagle_fast.runners.base import RunnerBase, resolve_dtype, unpad
+from eagle_fast.runners.base import RunnerBase, load_config_and_head, unpad
 
 __all__ = ["HFTargetRunner"]
 
@@ -70,20 +70,15 @@ class HFTargetRunner(RunnerBase):
         max_batch_tokens: padded tokens per forward in `capture`. model_kwargs: extra
         `from_pretrained` arguments (e.g. `attn_implementation`).
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        from eagle_fast.head import TargetHead, text_config
+        from eagle_fast.head import text_config
 
-        config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
-        dtype = resolve_dtype(config, dtype)
-        device = (
-            torch.device(device)
-            if device is not None
-            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        head = TargetHead.from_pretrained(
-            model_path, config, dtype=dtype, device=device, overrides=head_overrides
-        )
+        config, dtype, head = load_config_and_head(
+            model_path, dtype, device,
+            trust_remote_code=trust_remote_code, head_overrides=head_overrides,
+        )  # fmt: skip
+        device = head.device
         max_len = getattr(text_config(config), "max_position_embeddings", None) or 1 << 31
         model = AutoModelForCausalLM.from_pretrained(
             str(model_path),

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from eagle_fast.runners import _vllm_compat as compat
-from eagle_fast.runners.base import RunnerBase, capture_plan, resolve_dtype
+from eagle_fast.runners.base import RunnerBase, capture_plan, load_config_and_head
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +78,8 @@ class VLLMTargetRunner(RunnerBase):
         head_device: where the head runs (default: CUDA when available, else CPU).
         head_overrides: `TargetHead` overrides for unknown architectures (norm, eps, logit_scale, softcap).
         """
-        from transformers import AutoConfig
 
-        from eagle_fast.head import TargetHead, text_config
+        from eagle_fast.head import text_config
 
         version = compat.check_version()
         kwargs = dict(vllm_kwargs or {})
@@ -93,16 +92,11 @@ class VLLMTargetRunner(RunnerBase):
                 "shared_storage_path is ignored: captures go to a private dir under storage_dir"
             )
 
-        config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
-        dtype = resolve_dtype(config, dtype)
-        device = (
-            torch.device(head_device)
-            if head_device is not None
-            else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        )
-        head = TargetHead.from_pretrained(
-            model_path, config, dtype=dtype, device=device, overrides=head_overrides
-        )
+        config, dtype, head = load_config_and_head(
+            model_path, dtype, head_device,
+            trust_remote_code=trust_remote_code, head_overrides=head_overrides,
+        )  # fmt: skip
+        device = head.device
         text = text_config(config)
         max_len = kwargs.get("max_model_len") or getattr(text, "max_position_embeddings", None)
         if max_len is None:
