@@ -187,9 +187,10 @@ def runner_section(d: dict) -> list[str]:
         rows.append([f"`{r['method']}`", fmt_s(r["median_s"]), f"x{r['n_timed']}",
                      f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-", vs,
                      f"{100 * r['head_share']:.0f}%" if r["head_share"] is not None else "-",
-                     fmt_b(r["peak_extra_bytes"]), mem, fmt_b(r.get("output_bytes")), r["status"]])
+                     fmt_b(r["peak_extra_bytes"]), mem, fmt_b(r.get("output_bytes")),
+                     fmt_b(r.get("real_output_bytes")), r["status"]])
     out += _table(["method", "median", "rounds", "tokens/s", "vs seed", "head share", "peak extra",
-                   "mem vs seed", "returned", "status"], rows)
+                   "mem vs seed", "returned", "returned, non-pad", "status"], rows)
     if d.get("cross_check"):
         out += ["Cross-check on non-pad positions: " + ", ".join(
             f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in d["cross_check"].items()), ""]

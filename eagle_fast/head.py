@@ -396,9 +396,42 @@ class TargetHead:
             impl=impl,
         )
 
-    def logits(self, final_hidden: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
-        """Full-vocabulary fp32 logits `[..., V]` (what the drop-in `forward_eagle3` returns)."""
-        return self.compute(final_hidden, ("logits",), impl=impl).logits
+    def logits(
+        self,
+        final_hidden: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        impl: str = "auto",
+    ) -> torch.Tensor:
+        """Full-vocabulary fp32 logits `[..., V]` (what the drop-in `forward_eagle3` returns).
+
+        `out` (fp32, `final_hidden.shape[:-1] + (V,)`, rows with unit column stride, any
+        device) receives them in place and is returned. impl="auto"/"torch" runs
+        `eagle_fast.kernels.lm_head_logits` (no reductions); "triton" the fused kernel.
+        """
+        from eagle_fast.kernels import lm_head_logits
+
+        hidden = final_hidden.to(device=self.device, dtype=self.dtype)
+        if impl == "triton":
+            logits = self.compute(hidden, ("logits",), impl=impl).logits
+            return logits if out is None else out.copy_(logits)
+        if impl not in ("auto", "torch"):
+            raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+        target = out if out is not None and out.device == self.device else None
+        logits = lm_head_logits(
+            hidden,
+            self.lm_head_weight,
+            self.norm_weight if self.spec.norm != "none" else None,
+            eps=self.spec.eps,
+            norm=self.spec.norm,
+            logit_scale=self.spec.logit_scale,
+            softcap=self.spec.softcap,
+            out=target,
+        )
+        if out is not None and target is None:
+            out.copy_(logits)
+            return out
+        return logits
 
     def __repr__(self) -> str:
         return (

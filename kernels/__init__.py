@@ -9,6 +9,8 @@ What it does
       impl="triton" `lm_head_triton.lm_head_triton`: the fused Triton kernel (CUDA, or the Triton
                     interpreter for CPU tensors);
       impl="auto"   Triton for CUDA tensors when Triton is importable, torch otherwise.
+    `lm_head_logits(...)` is the logits-only sibling (the drop-in `forward_eagle3` path): the
+    same logits, no reductions, written in place into an optional `out` (PyTorch, any device).
 
 Design
     Every argument is checked here, once, so each implementation receives a `HeadRequest` it
@@ -38,9 +40,9 @@ from collections.abc import Iterable
 import torch
 
 from ._common import NORM_MODES, OUTPUT_NAMES, HeadOutput, HeadRequest
-from .reference import _empty_output, lm_head_torch
+from .reference import _empty_output, lm_head_logits_torch, lm_head_torch
 
-__all__ = ["HeadOutput", "draft_ids_from_d2t", "draft_ids_from_t2d", "lm_head"]
+__all__ = ["HeadOutput", "draft_ids_from_d2t", "draft_ids_from_t2d", "lm_head", "lm_head_logits"]
 
 IMPLS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -313,6 +315,71 @@ def lm_head(
     else:
         out = lm_head_torch(req)
     return out.reshape(lead)
+
+
+@torch.no_grad()
+def lm_head_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    norm_weight: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    norm: str = "rms",
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Full fp32 logits `[..., V]` and nothing else: `lm_head(..., outputs=("logits",)).logits`
+    without the lse/argmax reductions that `lm_head` always runs, written in place into `out`.
+
+    Same arguments and semantics as `lm_head` (norm, rounding of the normalised activation,
+    fp32 accumulation, scale, softcap). `out`, when given, is an fp32 tensor on hidden's device
+    of shape `hidden.shape[:-1] + (V,)` (or `[N, V]` for N = hidden.numel() // H rows) whose
+    rows are viewable as `[N, V]` with unit column stride, e.g. `logits[b, :n]` of a
+    `[B, S, V]` buffer; it is filled and returned. Raises ValueError for any invalid input.
+    """
+    req, lead, _ = _validate(
+        hidden,
+        weight,
+        norm_weight,
+        eps=eps,
+        norm=norm,
+        logit_scale=logit_scale,
+        softcap=softcap,
+        outputs=("logits",),
+        k=0,
+        draft_ids=None,
+        out_dtype=torch.float32,
+        impl="torch",
+    )
+    N, V = req.n_rows, req.vocab
+    if out is None:
+        flat = torch.empty(N, V, dtype=torch.float32, device=req.hidden.device)
+        result = flat.view(*lead, V)
+    else:
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if out.dtype != torch.float32:
+            raise ValueError(f"out must be float32 (logits are fp32), got {out.dtype}")
+        if out.device != req.hidden.device:
+            raise ValueError(f"out is on {out.device} but hidden is on {req.hidden.device}")
+        if tuple(out.shape) not in ((*lead, V), (N, V)):
+            raise ValueError(
+                f"out must have shape {(*lead, V)} (or {(N, V)}) for hidden "
+                f"{_shape(hidden)} and weight {_shape(weight)}, got {_shape(out)}"
+            )
+        try:
+            flat = out.view(N, V)
+        except RuntimeError:
+            flat = None
+        if flat is None or (N and V > 1 and flat.stride(1) != 1):
+            raise ValueError(
+                f"out (shape {_shape(out)}, strides {out.stride()}) cannot be written as [N, V] "
+                "rows with unit column stride; pass a contiguous tensor or a row slice of one"
+            )
+        result = out
+    lm_head_logits_torch(req, flat)
+    return result
 
 
 def draft_ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ from eagle_fast.kernels import (
     draft_ids_from_d2t,
     draft_ids_from_t2d,
     lm_head,
+    lm_head_logits,
     reference,
 )
 from eagle_fast.kernels.reference import lm_head_oracle, normalize, normalize_fp32
@@ -70,6 +71,7 @@ FIELDS = {
 FLOAT_FIELDS = ("logits", "logprobs", "lse", "topk_logprobs", "topk_tail", "draft_logprobs")
 OUT_DTYPE_FIELDS = ("logits", "logprobs", "topk_logprobs", "draft_logprobs")
 SMALL_CHUNK = 64
+SMALL_ROWS = 4
 
 
 @pytest.fixture
@@ -134,8 +136,12 @@ def plain_torch(
 
 
 @contextmanager
-def small_chunks(width: int = SMALL_CHUNK):
-    with mock.patch.object(reference, "choose_chunk", lambda *a, **kw: width):
+def small_chunks(width: int = SMALL_CHUNK, rows: int = SMALL_ROWS):
+    """Chunks of `width` columns and row blocks of `rows` rows: every cross-tile merge runs."""
+    with (
+        mock.patch.object(reference, "choose_chunk", lambda *a, **kw: width),
+        mock.patch.object(reference, "choose_row_block", lambda *a, **kw: rows),
+    ):
         yield
 
 
@@ -718,17 +724,72 @@ def test_torch_impl_never_builds_vocab_sized_tensors(gen):
 
 
 def test_choose_chunk_bounds_the_tile():
-    budget = reference._CPU_TILE_BYTES
-    assert budget <= 64 << 20  # a few tens of MB, whatever the vocabulary
-    # the benchmark shape: tile [1024, C] fp32 within the budget, C a multiple of 256, C < V
-    C = reference.choose_chunk(1024, 1024, 151_936, k=64)
-    assert C % 256 == 0 and 1024 * C * 4 <= budget and C < 151_936
-    # wide hidden: the fp32 weight chunk [C, H] is bounded too
-    C = reference.choose_chunk(16, 8192, 151_936)
-    assert C * 8192 * 4 <= budget
+    budget, wbudget = reference._CPU_TILE_BYTES, reference._CPU_WCHUNK_BYTES
+    assert budget <= 64 << 20 and wbudget <= 64 << 20  # cache-sized, whatever the vocabulary
+    # the benchmark shapes: C a multiple of 256, C < V, tile [R, C] fp32 within the budget
+    for n, h in ((1024, 1024), (6400, 256), (8192, 4096)):
+        C = reference.choose_chunk(n, h, 151_936, k=64)
+        R = reference.choose_row_block(n, C)
+        assert C % 256 == 0 and C < 151_936 and R * C * 4 <= budget, (n, h, C, R)
+        assert C * h * 4 <= max(wbudget, 256 * h * 4), (n, h, C)  # weight chunk bounded
+        assert 16 <= R <= n and R % 16 == 0
+    # a wide hidden keeps the minimum width of 256 columns
+    assert reference.choose_chunk(16, 8192, 151_936) == 256
     # k never exceeds the chunk (the top-k merge would dominate), and tiny vocabularies clamp
     assert reference.choose_chunk(8192, 4096, 262_144, k=1000) >= 1000
     assert reference.choose_chunk(4, 16, 10, k=3) == 10
+    assert reference.choose_row_block(5, 1024) == 5
+    # CUDA: one row block, chunk bounded by the tile budget over max(N, H)
+    assert reference.choose_row_block(4096, 8192, "cuda") == 4096
+    C = reference.choose_chunk(4096, 4096, 151_936, device_type="cuda")
+    assert C * 4096 * 4 <= reference._CUDA_TILE_BYTES
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 4096])
+def test_draft_first_ties_go_to_lower_id(chunk, gen):
+    # Draft-first order (draft wanted, no top-k, no [N, V] output) walks the draft ids before
+    # the others, so an argmax tie between a draft id and a LOWER non-draft id is met in the
+    # wrong order: the lower id must still win. Exact integer logits, ties everywhere.
+    N, H, V = 9, 32, 257
+    hidden, weight = tie_inputs(gen, N, H, V, torch.bfloat16, n_distinct=6)
+    draft = torch.arange(100, V, 2)  # high ids, so the tied rest ids below them come later
+    oracle = lm_head_oracle(hidden, weight, None, norm="none", draft_ids=draft)
+    with small_chunks(chunk, rows=4):
+        out = lm_head(
+            hidden, weight, None, norm="none", outputs=("draft", "argmax"), draft_ids=draft,
+            impl="torch",
+        )
+    assert_ids_equal(out.argmax, oracle.argmax, name="argmax")
+    assert bool((out.argmax < 100).any()), "the case never tied across the two ranges"
+    assert_ids_equal(out.argmax_in_draft, oracle.argmax_in_draft, name="argmax_in_draft")
+    assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=1e-5, rtol=1e-6, name="draft")
+    assert_close(out.lse, oracle.lse, atol=1e-5, rtol=1e-6, name="lse")
+
+
+def test_cpu_bf16_gemm_mode_is_scoped(gen):
+    # bf16 weights on a CPU with AVX512-BF16/AMX: the GEMMs run in oneDNN's bf16 math mode
+    # (exact for bf16-valued operands), only during the call; fp16 weights never use it (fp16
+    # values are not bf16 values); the previous mode comes back, also after an error.
+    matmul = torch.backends.mkldnn.matmul
+    before = matmul.fp32_precision
+    seen = []
+    real_mm = torch.mm
+
+    def spy(*a, **kw):
+        seen.append(matmul.fp32_precision)
+        return real_mm(*a, **kw)
+
+    for dtype in (torch.bfloat16, torch.float16):
+        hidden, weight, norm_weight = make_inputs(gen, 8, 32, 300, dtype)
+        seen.clear()
+        with mock.patch.object(torch, "mm", spy):
+            lm_head(hidden, weight, norm_weight, impl="torch")
+        expect = "bf16" if dtype == torch.bfloat16 and reference._bf16_gemm_supported() else before
+        assert seen and set(seen) == {expect}, (dtype, set(seen))
+        assert matmul.fp32_precision == before
+    with pytest.raises(RuntimeError, match="boom"), reference._cpu_gemm_mode(torch.bfloat16, "cpu"):
+        raise RuntimeError("boom")
+    assert matmul.fp32_precision == before
 
 
 def test_auto_runs_torch_on_cpu(gen):
@@ -1024,3 +1085,63 @@ class TestCudaRealSizes:
             exact_ids=True,
             label=f"[cuda {impl} ties k={k}]",
         )
+
+
+# ------------------------------------------------------------------- lm_head_logits (drop-in)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    "norm,scale,softcap", [("rms", 1.0, None), ("rms_one_plus", 0.5, 30.0), ("none", 1.0, None)]
+)
+def test_lm_head_logits_equals_lm_head_logits_output(dtype, norm, scale, softcap, gen):
+    # The logits-only path is the same math as lm_head's "logits" output (same rounding of y,
+    # same tiles, same GEMM mode), so on CPU it is bit-identical to it, and close to the oracle;
+    # also across row blocks and chunks narrower than the vocabulary.
+    hidden, weight, norm_weight = make_inputs(gen, 37, 48, 700, dtype, norm=norm)
+    kw = {"eps": 1e-5, "norm": norm, "logit_scale": scale, "softcap": softcap}
+    want = lm_head(hidden, weight, norm_weight, outputs=("logits",), impl="torch", **kw).logits
+    got = lm_head_logits(hidden, weight, norm_weight, **kw)
+    assert got.dtype == torch.float32 and got.shape == (37, 700)
+    assert torch.equal(got, want)
+    with small_chunks(256, rows=16):
+        assert torch.equal(lm_head_logits(hidden, weight, norm_weight, **kw), want)
+    oracle = lm_head_oracle(hidden, weight, norm_weight, **kw)
+    assert_close(got, oracle.logits, atol=1e-4, rtol=1e-5, name="logits vs oracle")
+
+
+def test_lm_head_logits_writes_into_a_row_slice(gen):
+    # forward_eagle3 hands each row's slice of a [B, S, V] buffer: only those rows change.
+    hidden, weight, norm_weight = make_inputs(gen, 5, 32, 300, torch.bfloat16)
+    buf = torch.full((3, 8, 300), 7.0)
+    res = lm_head_logits(hidden, weight, norm_weight, out=buf[1, :5])
+    assert res.data_ptr() == buf[1, :5].data_ptr()
+    assert torch.equal(buf[1, :5], lm_head_logits(hidden, weight, norm_weight))
+    untouched = torch.ones(3, 8, dtype=torch.bool)
+    untouched[1, :5] = False
+    assert bool((buf[untouched] == 7.0).all())
+    # leading dims are kept, and out may be given in them or flat
+    h3 = hidden.reshape(1, 5, 32)
+    assert lm_head_logits(h3, weight, norm_weight).shape == (1, 5, 300)
+    flat = torch.empty(5, 300)
+    assert lm_head_logits(h3, weight, norm_weight, out=flat) is flat
+    assert lm_head_logits(hidden[:0], weight, norm_weight).shape == (0, 300)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: torch.empty(5, 300, dtype=torch.bfloat16), "must be float32"),
+        (lambda: torch.empty(5, 299), "must have shape"),
+        (lambda: torch.empty(300, 5).t(), "unit column stride"),
+        (lambda: torch.empty(5, 600)[:, ::2], "unit column stride"),
+        (lambda: [[0.0] * 300] * 5, "must be a torch.Tensor"),
+        (lambda: torch.empty(5, 300, device="meta"), "is on meta"),
+    ],
+)
+def test_lm_head_logits_rejects_bad_out(bad, match, gen):
+    hidden, weight, norm_weight = make_inputs(gen, 5, 32, 300, torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        lm_head_logits(hidden, weight, norm_weight, out=bad())
+    with pytest.raises(ValueError, match="hidden size mismatch"):
+        lm_head_logits(hidden[:, :16], weight, norm_weight)

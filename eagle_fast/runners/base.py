@@ -49,11 +49,9 @@ __all__ = [
 # Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
 HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
 SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
-# Bytes of the transient [rows, V] fp32 logits the head returns in `forward_eagle3` before they
-# are copied into the [B, S, V] output. 8192 rows of a 152k vocabulary would be another 5 GB on
-# top of the 5 GB output (measured by bench/bench_runner.py); 512 MiB is ~860 such rows, still
-# large enough that the per-call overhead is noise next to the GEMM.
-_LOGITS_TRANSIENT_BYTES = 512 << 20
+# Tokens per head call in `forward_eagle3_supervision`: bounds the transient head outputs (one
+# group's) while keeping calls large enough that per-call work (the weight upcast) is noise.
+_SUPERVISION_GROUP_TOKENS = 1024
 
 
 @runtime_checkable
@@ -431,16 +429,11 @@ class RunnerBase:
         B, S = input_ids.shape
         device = input_ids.device
         aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
+        # Each row's logits are GEMMed straight into its slice of the output: no [N, V]
+        # transient, no copy, and pad positions are never touched (they stay zero).
         logits = torch.zeros(B, S, self.head.vocab_size, dtype=torch.float32, device=device)
-        max_rows = max(1, _LOGITS_TRANSIENT_BYTES // (4 * self.head.vocab_size))
-        for rows in pack_by_tokens(lens, max_rows):
-            final = torch.cat([captures[b][1] for b in rows])
-            out = self.head.logits(final).to(device)
-            start = 0
-            for b in rows:
-                logits[b, : lens[b]] = out[start : start + lens[b]]
-                start += lens[b]
-            del out
+        for b, (_, final) in enumerate(captures):
+            self.head.logits(final, out=logits[b, : lens[b]])
         return logits, aux
 
     @torch.no_grad()
@@ -473,19 +466,34 @@ class RunnerBase:
         captures = self.capture(seqs)
         B, S = input_ids.shape
         device = input_ids.device
-        mask = attention_mask.detach().to(device).bool()
         head_outputs = tuple(o for o in outputs if o != "hidden")
-        final = torch.cat([f for _, f in captures])
-        head = self.head.compute(
-            final, head_outputs, k=k, draft_ids=draft_ids, out_dtype=out_dtype, impl=impl
-        )
-        fields_out: dict[str, torch.Tensor | None] = {}
-        for name, value in head.as_dict().items():
-            fields_out[name] = _scatter_masked(value.to(device), mask)
+        # Rows go through the head in groups of about _SUPERVISION_GROUP_TOKENS tokens, and each
+        # group's outputs are copied into their rows of the [B, S, ...] fields: the transient is
+        # one group's outputs, never all N rows' (for a 32k draft vocab in fp32, 134 MB instead
+        # of 0.8 GB at B=8, S=1024), and pad rows are never written (they stay zero pages).
+        fields_out: dict[str, torch.Tensor] = {}
+        for rows in pack_by_tokens(lens, _SUPERVISION_GROUP_TOKENS):
+            final = torch.cat([captures[b][1] for b in rows]) if len(rows) > 1 else captures[rows[0]][1]
+            head = self.head.compute(
+                final, head_outputs, k=k, draft_ids=draft_ids, out_dtype=out_dtype, impl=impl
+            )
+            values = head.as_dict()
+            if "hidden" in outputs:
+                values["hidden"] = final
+            start = 0
+            for b in rows:
+                n = lens[b]
+                for name, value in values.items():
+                    if name not in fields_out:
+                        fields_out[name] = torch.zeros(
+                            B, S, *value.shape[1:], dtype=value.dtype, device=device
+                        )
+                    fields_out[name][b, :n] = value[start : start + n]
+                start += n
+            del head, values, final
         sup = Supervision(
             aux_hidden_states=self._scatter_rows([a for a, _ in captures], lens, B, S, device),
             attention_mask=attention_mask,
-            hidden=_scatter_masked(final.to(device), mask) if "hidden" in outputs else None,
             **fields_out,
         )
         return sup
@@ -524,13 +532,6 @@ class RunnerBase:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _scatter_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`values [N, ...]` for the True positions of `mask [B, S]` -> `[B, S, ...]`, zero elsewhere."""
-    out = torch.zeros(*mask.shape, *values.shape[1:], dtype=values.dtype, device=values.device)
-    out[mask] = values
-    return out
 
 
 def pack_by_tokens(lens: Sequence[int], budget: int) -> list[list[int]]:
