@@ -277,7 +277,7 @@ def _cross_check(sbs: H.SideBySide, mask, draft_mask) -> dict:
 def evaluate(records: list) -> H.Verdicts:
     v = H.Verdicts()
     by = {r["method"]: r for r in records}
-    seed, fe3, sup = by.get("seed-forward_eagle3"), by.get("forward_eagle3"), by.get("forward_eagle3_supervision")
+    seed, fe3 = by.get("seed-forward_eagle3"), by.get("forward_eagle3")
     where = f"tiny Qwen3 V={VOCAB}, B={B}, S={S}"
     if not (seed and seed["median_s"]):
         v.check(f"runner ({where})", None, "seed method not measured")

@@ -136,6 +136,34 @@ def test_supervision_equals_head_over_transformers_logits(runner):
     assert torch.equal(fast.argmax_in_draft, sup.argmax_in_draft)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("group_tokens", [10_000, 10], ids=["one-group", "row-groups"])
+def test_supervision_out_dtype_and_groups_equal_the_head(hf_llama, out_dtype, group_tokens):
+    # The runner sends rows through the head in token groups and, for 16-bit outputs, rounds
+    # the head's fp32 results while copying them into the [B, S, ...] fields (top-k excepted):
+    # every field must equal the head's own output for the non-pad rows, bit for bit, and be
+    # zero at pad positions, whatever the grouping.
+    from unittest import mock
+
+    from eagle_fast.runners import base
+
+    ids, mask = make_batch(seed=2)
+    draft_ids = draft_vocab()
+    keep = mask.bool()
+    final = torch.cat([f for _, f in hf_llama.capture(rows(ids, mask))])
+    for outputs in (("draft", "argmax"), ("logits", "logprobs", "topk", "draft")):
+        want = hf_llama.head.compute(final, outputs, k=4, draft_ids=draft_ids, out_dtype=out_dtype)
+        with mock.patch.object(base, "_SUPERVISION_GROUP_TOKENS", group_tokens):
+            sup = hf_llama.forward_eagle3_supervision(
+                ids, mask, outputs=outputs, draft_ids=draft_ids, k=4, out_dtype=out_dtype
+            )
+        for name, value in want.as_dict().items():
+            got = getattr(sup, name)
+            assert got.dtype == value.dtype, (outputs, name, got.dtype)
+            assert torch.equal(got[keep], value), (outputs, name)
+            assert not got[~keep].any(), (outputs, name, "pad positions must be zero")
+
+
 def test_bf16_runner_captures_in_bf16(tiny_llama):
     with HFTargetRunner.build(str(tiny_llama), dtype=torch.bfloat16) as runner:
         runner.set_aux_layers([0, 1, 2])

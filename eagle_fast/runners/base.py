@@ -44,6 +44,7 @@ __all__ = [
     "resolve_dtype",
     "unpad",
     "validate_aux_layer_ids",
+    "zeros",
 ]
 
 # Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
@@ -52,6 +53,8 @@ SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
 # Tokens per head call in `forward_eagle3_supervision`: bounds the transient head outputs (one
 # group's) while keeping calls large enough that per-call work (the weight upcast) is noise.
 _SUPERVISION_GROUP_TOKENS = 1024
+# HeadOutput fields that come in `out_dtype` (lse and topk_tail stay fp32).
+_OUT_DTYPE_FIELDS = ("logits", "logprobs", "topk_logprobs", "draft_logprobs")
 
 
 @runtime_checkable
@@ -431,7 +434,7 @@ class RunnerBase:
         aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
         # Each row's logits are GEMMed straight into its slice of the output: no [N, V]
         # transient, no copy, and pad positions are never touched (they stay zero).
-        logits = torch.zeros(B, S, self.head.vocab_size, dtype=torch.float32, device=device)
+        logits = zeros((B, S, self.head.vocab_size), torch.float32, device)
         for b, (_, final) in enumerate(captures):
             self.head.logits(final, out=logits[b, : lens[b]])
         return logits, aux
@@ -467,15 +470,31 @@ class RunnerBase:
         B, S = input_ids.shape
         device = input_ids.device
         head_outputs = tuple(o for o in outputs if o != "hidden")
+        # The aux field first; then each capture is dropped as soon as it has been used, so
+        # the inputs do not add to the peak next to the outputs being filled.
+        aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
+        finals: list[torch.Tensor | None] = [f for _, f in captures]
+        del captures
         # Rows go through the head in groups of about _SUPERVISION_GROUP_TOKENS tokens, and each
         # group's outputs are copied into their rows of the [B, S, ...] fields: the transient is
         # one group's outputs, never all N rows' (for a 32k draft vocab in fp32, 134 MB instead
         # of 0.8 GB at B=8, S=1024), and pad rows are never written (they stay zero pages).
+        # 16-bit outputs: the head returns fp32 and the copy into the fields rounds them, the
+        # same single rounding as the head's own cast (fp32 -> out_dtype), so no second, 16-bit
+        # transient of the group's outputs sits next to the fp32 one. Not with top-k, whose
+        # log-probs the head rounds from float64 (fp32 first would round twice).
+        head_dtype = out_dtype if "topk" in head_outputs else torch.float32
         fields_out: dict[str, torch.Tensor] = {}
-        for rows in pack_by_tokens(lens, _SUPERVISION_GROUP_TOKENS):
-            final = torch.cat([captures[b][1] for b in rows]) if len(rows) > 1 else captures[rows[0]][1]
+        # Largest groups first: the outputs fill up as groups finish, so the late groups, whose
+        # transient adds to nearly full outputs, are the small ones (a lower peak).
+        groups = pack_by_tokens(lens, _SUPERVISION_GROUP_TOKENS)
+        groups.sort(key=lambda g: -sum(lens[b] for b in g))
+        for rows in groups:
+            final = torch.cat([finals[b] for b in rows]) if len(rows) > 1 else finals[rows[0]]
+            for b in rows:
+                finals[b] = None
             head = self.head.compute(
-                final, head_outputs, k=k, draft_ids=draft_ids, out_dtype=out_dtype, impl=impl
+                final, head_outputs, k=k, draft_ids=draft_ids, out_dtype=head_dtype, impl=impl
             )
             values = head.as_dict()
             if "hidden" in outputs:
@@ -485,17 +504,12 @@ class RunnerBase:
                 n = lens[b]
                 for name, value in values.items():
                     if name not in fields_out:
-                        fields_out[name] = torch.zeros(
-                            B, S, *value.shape[1:], dtype=value.dtype, device=device
-                        )
+                        dtype = out_dtype if name in _OUT_DTYPE_FIELDS else value.dtype
+                        fields_out[name] = zeros((B, S, *value.shape[1:]), dtype, device)
                     fields_out[name][b, :n] = value[start : start + n]
                 start += n
             del head, values, final
-        sup = Supervision(
-            aux_hidden_states=self._scatter_rows([a for a, _ in captures], lens, B, S, device),
-            attention_mask=attention_mask,
-            **fields_out,
-        )
+        sup = Supervision(aux_hidden_states=aux, attention_mask=attention_mask, **fields_out)
         return sup
 
     def input_embedding_weight(self) -> torch.Tensor:
@@ -507,7 +521,7 @@ class RunnerBase:
     def _scatter_rows(
         rows: list[torch.Tensor], lens: list[int], B: int, S: int, device
     ) -> torch.Tensor:
-        out = torch.zeros(B, S, rows[0].shape[-1], dtype=rows[0].dtype, device=device)
+        out = zeros((B, S, rows[0].shape[-1]), rows[0].dtype, device)
         for b, (row, n) in enumerate(zip(rows, lens)):
             out[b, :n] = row.to(device)
         return out
@@ -532,6 +546,41 @@ class RunnerBase:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# numpy dtypes with torch's layout (bf16 through its 16-bit pattern).
+_NUMPY_TWINS = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "uint16",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.bool: "bool",
+}
+_LAZY_ZEROS_MIN_BYTES = 1 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """`torch.zeros(shape)`, but on CPU without writing the zeros.
+
+    `torch.zeros` allocates and then memsets every byte: for a [8, 1024, 151936] fp32 logits
+    buffer that is 5 GB written (and resident) before the head writes it again, pad rows
+    included. numpy's zeros uses calloc, whose large blocks are fresh pages that the kernel
+    zero-fills on first touch, so pages nobody writes (pad rows) cost nothing and never become
+    resident, and the rest are written once. Small buffers and other devices use torch.zeros.
+    """
+    device = torch.device(device)
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    twin = _NUMPY_TWINS.get(dtype)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or twin is None or nbytes < _LAZY_ZEROS_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    import numpy as np
+
+    out = torch.from_numpy(np.zeros(tuple(int(n) for n in shape), dtype=twin))
+    return out.view(dtype) if out.dtype != dtype else out
 
 
 def pack_by_tokens(lens: Sequence[int], budget: int) -> list[list[int]]:
