@@ -78,10 +78,11 @@ from ._common import HeadOutput, HeadRequest
 
 # CPU tiling: a [R, C] fp32 logits tile of 4 MiB (R = 1024 rows at C = 1024) and an fp32
 # weight chunk [C, H] of at most 4 MiB (C = 1024 columns up to H = 1024), so the GEMM output and
-# the ~6 passes over it (max, exp, sum, draft copy, top-k threshold) run in the L2 caches (2 MiB
-# per core here) instead of DRAM. Measured on 2 AVX-512/AMX cores, draft + argmax for N = 6400,
-# H = 256, V = 151,936: 2.3 s at 1024 x 1024 against 2.5-2.8 s for 256 x 4096 / 512 x 4096 /
-# 1024 x 4096 tiles, and 4.5+ s for the previous 64 MiB [N, C] tiles (DRAM-bound epilogue).
+# the passes over it (max, exp, sum, draft copy, top-k threshold) run in the L2 caches (2 MiB
+# per core on the dev machine) instead of DRAM. In one side-by-side sweep (2 AVX-512/AMX cores,
+# draft + argmax, N = 6400, H = 256, V = 151,936) 1024 x 1024 was the fastest of 256 x 4096,
+# 512 x 2048, 512 x 4096 and 1024 x 4096 by 10-20 %; wider [N, C] tiles leave the epilogue
+# DRAM-bound. bench/bench_lm_head.py and bench/bench_runner.py measure the result.
 _CPU_TILE_BYTES = 4 << 20
 _CPU_WCHUNK_BYTES = 4 << 20
 _CPU_CHUNK_COLS = 1024
