@@ -378,17 +378,12 @@ class TargetHead:
         """
         from eagle_fast.kernels import lm_head
 
-        hidden = final_hidden.to(device=self.device, dtype=self.dtype)
         if draft_ids is not None:
             draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).to(self.device)
         return lm_head(
-            hidden,
+            self._on_device(final_hidden),
             self.lm_head_weight,
-            self.norm_weight if self.spec.norm != "none" else None,
-            eps=self.spec.eps,
-            norm=self.spec.norm,
-            logit_scale=self.spec.logit_scale,
-            softcap=self.spec.softcap,
+            **self._norm_args(),
             outputs=tuple(outputs),
             k=k,
             draft_ids=draft_ids,
@@ -400,38 +395,45 @@ class TargetHead:
         self,
         final_hidden: torch.Tensor,
         *,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | list[torch.Tensor] | None = None,
         impl: str = "auto",
-    ) -> torch.Tensor:
+    ):
         """Full-vocabulary fp32 logits `[..., V]` (what the drop-in `forward_eagle3` returns).
 
-        `out` (fp32, `final_hidden.shape[:-1] + (V,)`, rows with unit column stride, any
-        device) receives them in place and is returned. impl="auto"/"torch" runs
-        `eagle_fast.kernels.lm_head_logits` (no reductions); "triton" the fused kernel.
+        `out` receives them in place and is returned: an fp32 `[..., V]` tensor holding the rows,
+        or a list of fp32 `[n_i, V]` row pieces (see `eagle_fast.kernels.lm_head_logits`), on
+        the head's device. impl="auto"/"torch" runs `lm_head_logits` (no reductions); "triton"
+        the fused kernel.
         """
         from eagle_fast.kernels import lm_head_logits
 
-        hidden = final_hidden.to(device=self.device, dtype=self.dtype)
         if impl == "triton":
-            logits = self.compute(hidden, ("logits",), impl=impl).logits
-            return logits if out is None else out.copy_(logits)
+            logits = self.compute(final_hidden, ("logits",), impl=impl).logits
+            if out is None:
+                return logits
+            pieces = out if isinstance(out, (list, tuple)) else [out]
+            rows = logits.reshape(-1, self.vocab_size).split([p.numel() // self.vocab_size for p in pieces])
+            for piece, src in zip(pieces, rows):
+                piece.copy_(src.view_as(piece))
+            return out
         if impl not in ("auto", "torch"):
             raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
-        target = out if out is not None and out.device == self.device else None
-        logits = lm_head_logits(
-            hidden,
-            self.lm_head_weight,
-            self.norm_weight if self.spec.norm != "none" else None,
-            eps=self.spec.eps,
-            norm=self.spec.norm,
-            logit_scale=self.spec.logit_scale,
-            softcap=self.spec.softcap,
-            out=target,
+        return lm_head_logits(
+            self._on_device(final_hidden), self.lm_head_weight, **self._norm_args(), out=out
         )
-        if out is not None and target is None:
-            out.copy_(logits)
-            return out
-        return logits
+
+    def _on_device(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden.to(device=self.device, dtype=self.dtype)
+
+    def _norm_args(self) -> dict:
+        """The head's `lm_head` / `lm_head_logits` arguments besides hidden and weight."""
+        return {
+            "norm_weight": self.norm_weight if self.spec.norm != "none" else None,
+            "eps": self.spec.eps,
+            "norm": self.spec.norm,
+            "logit_scale": self.spec.logit_scale,
+            "softcap": self.spec.softcap,
+        }
 
     def __repr__(self) -> str:
         return (

@@ -327,16 +327,19 @@ def lm_head_logits(
     norm: str = "rms",
     logit_scale: float = 1.0,
     softcap: float | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    out: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None,
+):
     """Full fp32 logits `[..., V]` and nothing else: `lm_head(..., outputs=("logits",)).logits`
     without the lse/argmax reductions that `lm_head` always runs, written in place into `out`.
 
     Same arguments and semantics as `lm_head` (norm, rounding of the normalised activation,
     fp32 accumulation, scale, softcap). `out`, when given, is an fp32 tensor on hidden's device
-    of shape `hidden.shape[:-1] + (V,)` (or `[N, V]` for N = hidden.numel() // H rows) whose
-    rows are viewable as `[N, V]` with unit column stride, e.g. `logits[b, :n]` of a
-    `[B, S, V]` buffer; it is filled and returned. Raises ValueError for any invalid input.
+    of shape `[..., V]` holding hidden's N rows (e.g. `hidden.shape[:-1] + (V,)`), viewable as
+    `[N, V]` with unit column stride, e.g. `logits[b, :n]` of a
+    `[B, S, V]` buffer; it is filled and returned. `out` may also be a list of such fp32
+    `[n_i, V]` pieces whose rows, in order, are hidden's N rows (e.g. `[logits[b, :n_b] for b]`):
+    one call then serves rows that are not contiguous in the caller's buffer, and the weight is
+    streamed once. Raises ValueError for any invalid input.
     """
     req, lead, _ = _validate(
         hidden,
@@ -355,31 +358,42 @@ def lm_head_logits(
     N, V = req.n_rows, req.vocab
     if out is None:
         flat = torch.empty(N, V, dtype=torch.float32, device=req.hidden.device)
-        result = flat.view(*lead, V)
-    else:
-        if not isinstance(out, torch.Tensor):
-            raise ValueError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.dtype != torch.float32:
-            raise ValueError(f"out must be float32 (logits are fp32), got {out.dtype}")
-        if out.device != req.hidden.device:
-            raise ValueError(f"out is on {out.device} but hidden is on {req.hidden.device}")
-        if tuple(out.shape) not in ((*lead, V), (N, V)):
-            raise ValueError(
-                f"out must have shape {(*lead, V)} (or {(N, V)}) for hidden "
-                f"{_shape(hidden)} and weight {_shape(weight)}, got {_shape(out)}"
-            )
-        try:
-            flat = out.view(N, V)
-        except RuntimeError:
-            flat = None
-        if flat is None or (N and V > 1 and flat.stride(1) != 1):
-            raise ValueError(
-                f"out (shape {_shape(out)}, strides {out.stride()}) cannot be written as [N, V] "
-                "rows with unit column stride; pass a contiguous tensor or a row slice of one"
-            )
-        result = out
-    lm_head_logits_torch(req, flat)
-    return result
+        lm_head_logits_torch(req, [flat])
+        return flat.view(*lead, V)
+    pieces = list(out) if isinstance(out, (list, tuple)) else [out]
+    names = [f"out[{i}]" for i in range(len(pieces))] if isinstance(out, (list, tuple)) else ["out"]
+    pieces = [_logits_piece(n, t, V, req.hidden.device) for n, t in zip(names, pieces)]
+    rows = sum(p.shape[0] for p in pieces)
+    if rows != N:
+        raise ValueError(
+            f"out must have shape {(*lead, V)} (or pieces [n_i, {V}] with sum n_i = N) for hidden "
+            f"{_shape(hidden)} and weight {_shape(weight)}; got rows {[p.shape[0] for p in pieces]}"
+        )
+    lm_head_logits_torch(req, pieces)
+    return out
+
+
+def _logits_piece(name: str, t, V: int, device) -> torch.Tensor:
+    """Check one logits destination `[..., V]`; return it viewed as fp32 [n, V] rows with unit
+    column stride (the view writes through to `t`)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")  # noqa: TRY004
+    if t.dtype != torch.float32:
+        raise ValueError(f"{name} must be float32 (logits are fp32), got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but hidden is on {device}")
+    if t.dim() < 1 or t.shape[-1] != V:
+        raise ValueError(f"{name} must have shape [..., V={V}], got {_shape(t)}")
+    try:
+        flat = t.view(-1, V)
+    except RuntimeError:
+        flat = None
+    if flat is None or (flat.shape[0] and V > 1 and flat.stride(1) != 1):
+        raise ValueError(
+            f"{name} (shape {_shape(t)}, strides {t.stride()}) cannot be written as [n, V] rows "
+            "with unit column stride; pass a contiguous tensor or a row slice of one"
+        )
+    return flat
 
 
 def draft_ids_from_d2t(d2t: torch.Tensor) -> torch.Tensor:

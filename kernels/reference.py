@@ -403,6 +403,58 @@ def _draft_log_softmax_(draft_buf: torch.Tensor, chunk: int) -> torch.Tensor:
     return draft_buf
 
 
+def _gemm_operands(req: HeadRequest, k: int):
+    """`(y, on_cpu, C, R, w_buf)`: the GEMM's left operand and the tiling of one head call.
+
+    y is the normalised activation (`normalize`), fp32 on CPU (the GEMM runs on exactly-upcast
+    operands, see "GEMM precision by device") and where CUDA lacks `mm(..., out_dtype)`; C and
+    R come from `choose_chunk` / `choose_row_block`; w_buf is the reused fp32 buffer for one
+    upcast weight chunk (CPU with 16-bit weights, else None).
+    """
+    hidden, weight = req.hidden, req.weight
+    dev = hidden.device
+    N, H = hidden.shape
+    y = normalize(hidden, req.norm_weight, eps=req.eps, norm=req.norm, dtype=weight.dtype)
+    on_cpu = dev.type != "cuda"
+    C = choose_chunk(N, H, req.vocab, k, dev.type)
+    R = choose_row_block(N, C, dev.type)
+    w_buf = None
+    if on_cpu:
+        y = y.float()
+        if weight.dtype != torch.float32:
+            w_buf = torch.empty(C * H, dtype=torch.float32, device=dev)
+    elif y.dtype != torch.float32 and not _mm_out_dtype_works(y):
+        y = y.float()  # same math through exactly-upcast operands, one chunk of W at a time
+    return y, on_cpu, C, R, w_buf
+
+
+def _weight_chunk(weight, c0: int, c1: int, ids, w_buf):
+    """`(w_chunk, w32)`: the weight rows of chunk [c0, c1) (rows `ids` when given), and the
+    operand the CPU GEMM takes: the chunk upcast into `w_buf`, or the chunk itself."""
+    w_chunk = weight[c0:c1] if ids is None else weight.index_select(0, ids)
+    if w_buf is None:
+        return w_chunk, w_chunk
+    w32 = w_buf[: w_chunk.numel()].view(w_chunk.shape)
+    w32.copy_(w_chunk)
+    return w_chunk, w32
+
+
+def _gemm_tile(req: HeadRequest, y_rows, w_chunk, w32, tile, on_cpu: bool) -> torch.Tensor:
+    """Logits of one [rows, chunk] tile: GEMM (into `tile` when given), then scale and softcap
+    in place. On CUDA with `tile=None` the GEMM's own output is the tile."""
+    if on_cpu:
+        torch.mm(y_rows, w32.t(), out=tile)
+    elif tile is None:
+        tile = _mm_fp32_out(y_rows, w_chunk)
+    else:
+        tile.copy_(_mm_fp32_out(y_rows, w_chunk))
+    if req.logit_scale != 1.0:
+        tile.mul_(req.logit_scale)
+    if req.softcap is not None:
+        tile.div_(req.softcap).tanh_().mul_(req.softcap)
+    return tile
+
+
 @torch.no_grad()
 def lm_head_torch(req: HeadRequest) -> HeadOutput:
     """The head op in PyTorch, tiled over rows and vocabulary (see the module header).
@@ -417,25 +469,16 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
         return _empty_output(req)
     hidden, weight = req.hidden, req.weight
     dev = hidden.device
-    N, H = hidden.shape
+    N = hidden.shape[0]
     V = req.vocab
     k = req.k if req.wants("topk") else 0
     want_draft = req.wants("draft")
     f32, f64 = torch.float32, torch.float64
 
-    y = normalize(hidden, req.norm_weight, eps=req.eps, norm=req.norm, dtype=weight.dtype)
-    on_cpu = dev.type != "cuda"
-    C = choose_chunk(N, H, V, k, dev.type)
-    R = choose_row_block(N, C, dev.type)
-    tile_buf = w_buf = None
-    if on_cpu:
-        # fp32 GEMM on exactly-upcast operands (see "GEMM precision by device" above), into one
-        # reused, cache-sized tile; the weight chunk is upcast once and serves every row block.
-        y = y.float()
-        tile_buf = torch.empty(R * C, dtype=f32, device=dev)
-        w_buf = None if weight.dtype == f32 else torch.empty(C * H, dtype=f32, device=dev)
-    elif y.dtype != f32 and not _mm_out_dtype_works(y):
-        y = y.float()  # same math through exactly-upcast operands, one chunk of W at a time
+    y, on_cpu, C, R, w_buf = _gemm_operands(req, k)
+    # CPU: one reused, cache-sized tile; the weight chunk is upcast once per chunk and serves
+    # every row block.
+    tile_buf = torch.empty(R * C, dtype=f32, device=dev) if on_cpu else None
 
     # Running statistics, one entry per row.
     run_max = torch.full((N,), -math.inf, dtype=f32, device=dev)
@@ -488,12 +531,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
         for j, (c0, c1) in enumerate(chunks):
             c = c1 - c0
             ids = None if order is None else order[c0:c1]
-            w_chunk = weight[c0:c1] if ids is None else weight.index_select(0, ids)
-            if on_cpu and w_buf is not None:
-                w32 = w_buf[: c * H].view(c, H)
-                w32.copy_(w_chunk)
-            else:
-                w32 = w_chunk
+            w_chunk, w32 = _weight_chunk(weight, c0, c1, ids, w_buf)
             local_draft = None
             if want_draft and not draft_first and bounds[j + 1] > bounds[j]:
                 a, b = bounds[j], bounds[j + 1]
@@ -507,16 +545,9 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
                 r = r1 - r0
                 scratch = tile_buf[: r * c].view(r, c) if on_cpu else None
                 tile = into[r0:r1] if into is not None else scratch
-                if on_cpu:
-                    torch.mm(y[r0:r1], w32.t(), out=tile)
-                elif tile is None:
-                    tile = scratch = _mm_fp32_out(y[r0:r1], w_chunk)
-                else:
-                    tile.copy_(_mm_fp32_out(y[r0:r1], w_chunk))
-                if req.logit_scale != 1.0:
-                    tile.mul_(req.logit_scale)
-                if req.softcap is not None:
-                    tile.div_(req.softcap).tanh_().mul_(req.softcap)
+                tile = _gemm_tile(req, y[r0:r1], w_chunk, w32, tile, on_cpu)
+                if scratch is None and into is None:
+                    scratch = tile  # CUDA: the GEMM's fresh output is this tile's scratch
 
                 rmax, rsum, rarg = run_max[r0:r1], run_sum[r0:r1], run_arg[r0:r1]
                 new_max, tile_max = _update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
@@ -626,52 +657,32 @@ def _update_argmax(
 
 
 @torch.no_grad()
-def lm_head_logits_torch(req: HeadRequest, out: torch.Tensor) -> torch.Tensor:
-    """Full fp32 logits only, written into `out` [N, V] (unit column stride, any row stride).
+def lm_head_logits_torch(req: HeadRequest, pieces: list[torch.Tensor]) -> None:
+    """Full fp32 logits only, written into `pieces`: fp32 [n_i, V] tensors (unit column stride,
+    any row stride) whose rows, in order, are the N rows of `req.hidden`.
 
-    The same logits as `lm_head_torch` (same rounding of y, same GEMM precision), with no
-    reductions: the drop-in `forward_eagle3` path, which must return full logits anyway. On CPU
-    each [R, C] tile is GEMMed straight into `out` and scaled/capped while in cache; on CUDA
-    each vocabulary chunk is one tensor-core GEMM with fp32 output, copied into `out`.
+    The same logits as `lm_head_torch` (same rounding of y, same GEMM precision, same tiles),
+    with no reductions: the drop-in `forward_eagle3` path, which must return full logits
+    anyway. Each [R, C] tile is GEMMed straight into its piece (CUDA: one tensor-core GEMM with
+    fp32 output, copied in) and scaled/capped while in cache. Pieces let one call serve rows
+    that are not contiguous in the caller's buffer (`logits[b, :n_b]` of a padded [B, S, V]),
+    so the weight is streamed and upcast once per call, not once per row.
     """
     if req.n_rows == 0:
-        return out
-    hidden, weight = req.hidden, req.weight
-    dev = hidden.device
-    N, H = hidden.shape
-    V = req.vocab
-    y = normalize(hidden, req.norm_weight, eps=req.eps, norm=req.norm, dtype=weight.dtype)
-    on_cpu = dev.type != "cuda"
-    C = choose_chunk(N, H, V, 0, dev.type)
-    R = choose_row_block(N, C, dev.type)
-    w_buf = None
-    if on_cpu:
-        y = y.float()
-        if weight.dtype != torch.float32:
-            w_buf = torch.empty(C * H, dtype=torch.float32, device=dev)
-    elif y.dtype != torch.float32 and not _mm_out_dtype_works(y):
-        y = y.float()
-    with _cpu_gemm_mode(weight.dtype, dev.type):
-        for c0 in range(0, V, C):
-            c1 = min(c0 + C, V)
-            w_chunk = weight[c0:c1]
-            if w_buf is not None:
-                w32 = w_buf[: (c1 - c0) * H].view(c1 - c0, H)
-                w32.copy_(w_chunk)
-            else:
-                w32 = w_chunk
-            for r0 in range(0, N, R):
-                r1 = min(r0 + R, N)
-                tile = out[r0:r1, c0:c1]
-                if on_cpu:
-                    torch.mm(y[r0:r1], w32.t(), out=tile)
-                else:
-                    tile.copy_(_mm_fp32_out(y[r0:r1], w_chunk))
-                if req.logit_scale != 1.0:
-                    tile.mul_(req.logit_scale)
-                if req.softcap is not None:
-                    tile.div_(req.softcap).tanh_().mul_(req.softcap)
-    return out
+        return
+    y, on_cpu, C, R, w_buf = _gemm_operands(req, 0)
+    starts = [0]
+    for piece in pieces:
+        starts.append(starts[-1] + piece.shape[0])
+    with _cpu_gemm_mode(req.weight.dtype, req.hidden.device.type):
+        for c0 in range(0, req.vocab, C):
+            c1 = min(c0 + C, req.vocab)
+            w_chunk, w32 = _weight_chunk(req.weight, c0, c1, None, w_buf)
+            for piece, p0 in zip(pieces, starts):
+                for r0 in range(0, piece.shape[0], R):
+                    r1 = min(r0 + R, piece.shape[0])
+                    tile = piece[r0:r1, c0:c1]
+                    _gemm_tile(req, y[p0 + r0 : p0 + r1], w_chunk, w32, tile, on_cpu)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1126,6 +1126,16 @@ def test_lm_head_logits_writes_into_a_row_slice(gen):
     flat = torch.empty(5, 300)
     assert lm_head_logits(h3, weight, norm_weight, out=flat) is flat
     assert lm_head_logits(hidden[:0], weight, norm_weight).shape == (0, 300)
+    # row pieces: rows 0-1 go to buf[2, :2], rows 2-4 to buf[0, 5:8], nothing else changes
+    buf = torch.full((3, 8, 300), 7.0)
+    pieces = [buf[2, :2], buf[0, 5:8]]
+    with small_chunks(128, rows=2):  # pieces split at a row-block edge: the same tiles
+        assert lm_head_logits(hidden, weight, norm_weight, out=pieces) is pieces
+        want = lm_head_logits(hidden, weight, norm_weight)
+    assert torch.equal(buf[2, :2], want[:2]) and torch.equal(buf[0, 5:8], want[2:])
+    untouched = torch.ones(3, 8, dtype=torch.bool)
+    untouched[2, :2] = untouched[0, 5:8] = False
+    assert bool((buf[untouched] == 7.0).all())
 
 
 @pytest.mark.parametrize(
@@ -1137,6 +1147,9 @@ def test_lm_head_logits_writes_into_a_row_slice(gen):
         (lambda: torch.empty(5, 600)[:, ::2], "unit column stride"),
         (lambda: [[0.0] * 300] * 5, "must be a torch.Tensor"),
         (lambda: torch.empty(5, 300, device="meta"), "is on meta"),
+        (lambda: torch.empty(4, 300), "must have shape"),
+        (lambda: [torch.empty(2, 300), torch.empty(2, 300)], "sum n_i = N"),
+        (lambda: [torch.empty(2, 300), torch.empty(3, 300, dtype=torch.float16)], "out\\[1\\] must be float32"),
     ],
 )
 def test_lm_head_logits_rejects_bad_out(bad, match, gen):

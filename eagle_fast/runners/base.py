@@ -434,9 +434,12 @@ class RunnerBase:
         aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
         # Each row's logits are GEMMed straight into its slice of the output: no [N, V]
         # transient, no copy, and pad positions are never touched (they stay zero).
-        logits = zeros((B, S, self.head.vocab_size), torch.float32, device)
-        for b, (_, final) in enumerate(captures):
-            self.head.logits(final, out=logits[b, : lens[b]])
+        # One head call: the weight is streamed once for all rows, not once per row.
+        head_device = self.head.device
+        logits = zeros((B, S, self.head.vocab_size), torch.float32, head_device)
+        finals = torch.cat([f for _, f in captures]) if len(captures) > 1 else captures[0][1]
+        self.head.logits(finals, out=[logits[b, :n] for b, n in enumerate(lens)])
+        logits = logits.to(device)  # a no-op unless the caller's device differs from the head's
         return logits, aux
 
     @torch.no_grad()
