@@ -1,8 +1,8 @@
 """`make bench`: run the benchmarks through pytest-benchmark, then refresh RESULTS.md and the plots.
 
 What it does
-    1. pytest (in this process) over bench/bench_lm_head.py, bench_runner.py and
-       bench_pipeline.py, with pytest-benchmark driving the timed rounds. Each module writes its
+    1. pytest (in this process) over bench/bench_lm_head.py, bench_runner.py,
+       bench_pipeline.py and bench_cpu_ops.py, with pytest-benchmark driving the timed rounds. Each module writes its
        own results JSON into bench/results/ (or --out) as it finishes.
     2. bench/report.py turns every JSON there into bench/RESULTS.md and the plots.
     3. Prints every PASS/FAIL line from the fresh JSONs and the wall time.
@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline": "bench_pipeline.py"}
+MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline": "bench_pipeline.py",
+           "cpu_ops": "bench_cpu_ops.py"}
 
 
 def main(argv=None) -> int:

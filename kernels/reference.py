@@ -54,8 +54,8 @@ Design
     set only for the duration of the call): oneDNN converts its fp32 operands to bf16 and
     accumulates in fp32. Both operands hold bf16 values exactly (y is rounded to the weight
     dtype by the semantics above), so the conversion loses nothing and the result is the same
-    bf16 x bf16 -> fp32 GEMM, ~3x faster (AMX tiles; 1.9 vs 4.8 ms for a 1024 x 1024 x 256
-    tile on 2 cores). fp16 and fp32 weights never use it (fp16 -> bf16 would round). The mode
+    bf16 x bf16 -> fp32 GEMM, 2-3x faster per tile (AMX; `python bench/bench_cpu_ops.py`,
+    "gemm-tile"). fp16 and fp32 weights never use it (fp16 -> bf16 would round). The mode
     is process-global in PyTorch: another thread's fp32 CPU matmul that overlaps the call runs
     in it too. On CUDA it runs in the weight dtype on tensor cores with fp32 output
     (`torch.mm(..., out_dtype=torch.float32)`); where that overload is missing it upcasts the
@@ -77,12 +77,10 @@ import torch
 from ._common import HeadOutput, HeadRequest
 
 # CPU tiling: a [R, C] fp32 logits tile of 4 MiB (R = 1024 rows at C = 1024) and an fp32
-# weight chunk [C, H] of at most 4 MiB (C = 1024 columns up to H = 1024), so the GEMM output and
-# the passes over it (max, exp, sum, draft copy, top-k threshold) run in the L2 caches (2 MiB
-# per core on the dev machine) instead of DRAM. In one side-by-side sweep (2 AVX-512/AMX cores,
-# draft + argmax, N = 6400, H = 256, V = 151,936) 1024 x 1024 was the fastest of 256 x 4096,
-# 512 x 2048, 512 x 4096 and 1024 x 4096 by 10-20 %; wider [N, C] tiles leave the epilogue
-# DRAM-bound. bench/bench_lm_head.py and bench/bench_runner.py measure the result.
+# weight chunk [C, H] of at most 4 MiB (C = 1024 columns up to H = 1024). Time barely depends on
+# the shape in this range: `python bench/bench_cpu_ops.py` ("tile-sweep") has 256 x 4096 up to
+# 1024 x 4096 and the earlier [N, C] 64 MiB tiles within noise of one another. Small tiles are
+# chosen for memory: the tile and the weight chunk are a call's only scratch besides its outputs.
 _CPU_TILE_BYTES = 4 << 20
 _CPU_WCHUNK_BYTES = 4 << 20
 _CPU_CHUNK_COLS = 1024
@@ -428,10 +426,18 @@ def _gemm_operands(req: HeadRequest, k: int):
     return y, on_cpu, C, R, w_buf
 
 
-def _weight_chunk(weight, c0: int, c1: int, ids, w_buf):
-    """`(w_chunk, w32)`: the weight rows of chunk [c0, c1) (rows `ids` when given), and the
-    operand the CPU GEMM takes: the chunk upcast into `w_buf`, or the chunk itself."""
-    w_chunk = weight[c0:c1] if ids is None else weight.index_select(0, ids)
+def _weight_chunk(weight, c0: int, c1: int, ids, w_buf, gather_buf=None):
+    """`(w_chunk, w32)`: the weight rows of chunk [c0, c1) (rows `ids` when given, gathered into
+    the reused `gather_buf` when there is one), and the operand the CPU GEMM takes: the chunk
+    upcast into `w_buf`, or the chunk itself. Reused buffers matter: a fresh half-MiB block per
+    chunk is an mmap, page faults and an munmap whenever malloc hands large blocks to mmap."""
+    if ids is None:
+        w_chunk = weight[c0:c1]
+    elif gather_buf is None:
+        w_chunk = weight.index_select(0, ids)
+    else:
+        w_chunk = gather_buf[: ids.numel() * weight.shape[1]].view(ids.numel(), weight.shape[1])
+        torch.index_select(weight, 0, ids, out=w_chunk)
     if w_buf is None:
         return w_chunk, w_chunk
     w32 = w_buf[: w_chunk.numel()].view(w_chunk.shape)
@@ -519,8 +525,9 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
         del rest
         chunks = [(p, min(p + C, Vd)) for p in range(0, Vd, C)]
         chunks += [(p, min(p + C, V)) for p in range(Vd, V, C)]
+        gather_buf = torch.empty(C * weight.shape[1], dtype=weight.dtype, device=dev)
     else:
-        order = None
+        order = gather_buf = None
         chunks = [(c0, min(c0 + C, V)) for c0 in range(0, V, C)]
         if want_draft:
             # draft_ids[bounds[j]:bounds[j+1]] fall in chunk j; one searchsorted, one host copy.
@@ -531,7 +538,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
         for j, (c0, c1) in enumerate(chunks):
             c = c1 - c0
             ids = None if order is None else order[c0:c1]
-            w_chunk, w32 = _weight_chunk(weight, c0, c1, ids, w_buf)
+            w_chunk, w32 = _weight_chunk(weight, c0, c1, ids, w_buf, gather_buf)
             local_draft = None
             if want_draft and not draft_first and bounds[j + 1] > bounds[j]:
                 a, b = bounds[j], bounds[j + 1]
@@ -580,7 +587,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
                 del tile, scratch  # CUDA: free this tile before the next GEMM allocates its own
             if draft_first and c1 == Vd:  # the draft range is complete: its logsumexp
                 draft_lse = (run_max.double() + torch.log(run_sum)).float()
-    tile_buf = w_buf = None  # free the chunk buffers before the draft normalisation's temporary
+    tile_buf = w_buf = gather_buf = None  # free the chunk buffers before the draft normalisation
 
     max64 = run_max.double()
     if topks is not None:
@@ -623,8 +630,8 @@ def _update_argmax(
     order (`ids` ascending within the tile). Ties go to the lower token id: `argmax` returns the
     first maximal column, so within a tile the lowest id; across tiles a strictly larger max
     takes over and, when tiles are not in id order, an equal one keeps the lower id.
-    On CPU, `torch.max(dim=1)` with indices is ~10x slower than `amax` (0.7 vs 8 G elements/s
-    on 2 AVX-512 cores), so the index is searched only in the rows whose max grew (or tied):
+    On CPU, `torch.max(dim=1)` with indices is ~6-10x slower than `amax` (`python
+    bench/bench_cpu_ops.py`, "reductions"), so the index is searched only in the rows whose max grew (or tied):
     for logits in random order that is ~ln(#chunks) of the ~V/C chunks of a row; for logits
     rising with the id, every tile (no worse than `torch.max`).
     """

@@ -480,7 +480,7 @@ class RunnerBase:
         del captures
         # Rows go through the head in groups of about _SUPERVISION_GROUP_TOKENS tokens, and each
         # group's outputs are copied into their rows of the [B, S, ...] fields: the transient is
-        # one group's outputs, never all N rows' (for a 32k draft vocab in fp32, 134 MB instead
+        # one group's outputs, never all N rows' (for a 32k draft vocab in fp32, 131 MB instead
         # of 0.8 GB at B=8, S=1024), and pad rows are never written (they stay zero pages).
         # 16-bit outputs: the head returns fp32 and the copy into the fields rounds them, the
         # same single rounding as the head's own cast (fp32 -> out_dtype), so no second, 16-bit

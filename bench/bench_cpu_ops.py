@@ -1,0 +1,168 @@
+"""CPU building blocks of the PyTorch head path, side by side: the numbers its design rests on.
+
+What it does
+    Times, interleaved in one process (so machine load hits every variant alike):
+      gemm-tile      one [1024 x 256] @ [256 x 1024] tile into an fp32 output, PyTorch's default
+                     fp32 GEMM vs oneDNN's bf16 math mode (`reference._cpu_gemm_mode`), on
+                     bf16-valued operands (where both are the same math, see reference.py)
+      reductions     per-row passes over a [1024 x 1024] fp32 tile: max with indices
+                     (`torch.max(dim=1)`), `amax`, `argmax`, and the exp pass (sub, exp, sum)
+      tile-sweep     `lm_head(outputs=("draft", "argmax"))` at N=6400, H=256, V=151,936 with a
+                     32,000-id draft vocabulary, for several [R x C] tile shapes
+      call-overhead  the same call at N=64 and N=1024 rows: the fixed cost of one head call
+                     (the weight is gathered, upcast and reordered once per call)
+    and writes bench/results/cpu_ops-cpu.json (rendered by report.py).
+
+Limits
+    Only meaningful on the CPU it runs on: the bf16 GEMM mode needs AVX512-BF16/AMX (without
+    it the two GEMM variants are the same code path). Sizes are fixed; ~1-2 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H
+
+V, DRAFT = 151_936, 32_000
+# the last one is the pre-tiling shape: [N, C] tiles of 64 MiB (N = 6400 rows, 2560 columns)
+TILES = ((1024, 1024), (256, 4096), (512, 2048), (512, 4096), (1024, 4096), (6400, 2560))
+
+
+def _interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds per variant, the variants called in turn `reps` times after one warm-up."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def gemm_tile(reps: int = 30) -> dict:
+    from eagle_fast.kernels import reference
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(1024, 256, generator=g).bfloat16().float()
+    w = torch.randn(1024, 256, generator=g).bfloat16().float()
+    out = torch.empty(1024, 1024)
+
+    def bf16_mode():
+        with reference._cpu_gemm_mode(torch.bfloat16, "cpu"):
+            torch.mm(y, w.t(), out=out)
+
+    t = _interleaved({"fp32": lambda: torch.mm(y, w.t(), out=out), "bf16-mode": bf16_mode}, reps)
+    with reference._cpu_gemm_mode(torch.bfloat16, "cpu") as used:
+        exact = torch.mm(y, w.t())
+    err = float((exact.double() - y.double() @ w.double().t()).abs().max())
+    return {"seconds": t, "bf16_mode_available": bool(used), "bf16_mode_max_abs_err_vs_fp64": err,
+            "speedup": t["fp32"] / t["bf16-mode"]}
+
+
+def reductions(reps: int = 30) -> dict:
+    tile = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(1))
+    m = tile.amax(1, keepdim=True)
+    scratch = torch.empty_like(tile)
+
+    def exp_pass():
+        torch.sub(tile, m, out=scratch)
+        scratch.exp_()
+        return scratch.sum(1)
+
+    t = _interleaved({"max(dim) with indices": lambda: torch.max(tile, dim=1),
+                      "amax": lambda: torch.amax(tile, dim=1),
+                      "argmax": lambda: torch.argmax(tile, dim=1),
+                      "sub+exp+sum": exp_pass}, reps)
+    return {"seconds": t, "g_elements_per_s": {k: tile.numel() / s / 1e9 for k, s in t.items()}}
+
+
+def _head_inputs(n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, 256, generator=g) * 3).bfloat16()
+    weight = (torch.randn(V, 256, generator=g) * 0.05).bfloat16()
+    draft = torch.randperm(V, generator=g)[:DRAFT].sort().values
+    return hidden, weight, torch.ones(256, dtype=torch.bfloat16), draft
+
+
+def tile_sweep(reps: int = 2) -> dict:
+    from unittest import mock
+
+    from eagle_fast.kernels import lm_head, reference
+
+    hidden, weight, norm_w, draft = _head_inputs(6400)
+
+    def call(rows: int, cols: int):
+        def fn():
+            with mock.patch.object(reference, "choose_chunk", lambda *a, **kw: cols), \
+                 mock.patch.object(reference, "choose_row_block", lambda n, *a, **kw: min(rows, n)):
+                lm_head(hidden, weight, norm_w, outputs=("draft", "argmax"), draft_ids=draft, impl="torch")
+        return fn
+
+    t = _interleaved({f"{r}x{c}": call(r, c) for r, c in TILES}, reps)
+    C = reference.choose_chunk(6400, 256, V)
+    return {"seconds": t, "default": f"{reference.choose_row_block(6400, C)}x{C}", "rows": 6400}
+
+
+def call_overhead(reps: int = 5) -> dict:
+    from eagle_fast.kernels import lm_head
+
+    calls = {}
+    for n in (64, 1024):
+        hidden, weight, norm_w, draft = _head_inputs(n)
+        calls[f"N={n}"] = (lambda h=hidden, w=weight, g=norm_w, d=draft:
+                           lm_head(h, w, g, outputs=("draft", "argmax"), draft_ids=d, impl="torch"))
+    t = _interleaved(calls, reps)
+    return {"seconds": t, "per_token_s": {k: s / int(k[2:]) for k, s in t.items()}}
+
+
+def run(out_dir: Path | None = None) -> dict:
+    # No tame_malloc here: nothing measures memory, and forcing every block over 256 KiB
+    # through mmap/munmap would add page faults to each per-chunk allocation.
+    t0 = time.perf_counter()
+    out = {"benchmark": "cpu_ops", "environment": H.environment("cpu"),
+           "gemm_tile": gemm_tile(), "reductions": reductions(), "tile_sweep": tile_sweep(),
+           "call_overhead": call_overhead()}
+    out["wall_s"] = time.perf_counter() - t0
+    if out_dir is not None:
+        H.write_json(Path(out_dir) / "cpu_ops-cpu.json", out)
+    g = out["gemm_tile"]
+    print(f"  gemm tile 1024x1024x256: fp32 {H.fmt_s(g['seconds']['fp32'])}, bf16 mode "
+          f"{H.fmt_s(g['seconds']['bf16-mode'])} ({g['speedup']:.2f}x; available={g['bf16_mode_available']})")
+    print("  reductions (G elem/s): " + ", ".join(f"{k} {v:.2f}" for k, v in out["reductions"]["g_elements_per_s"].items()))
+    print("  tile sweep: " + ", ".join(f"{k} {H.fmt_s(v)}" for k, v in out["tile_sweep"]["seconds"].items())
+          + f" (default {out['tile_sweep']['default']})")
+    print("  call: " + ", ".join(f"{k} {H.fmt_s(v)}" for k, v in out["call_overhead"]["seconds"].items()))
+    return out
+
+
+try:
+    import pytest
+except ImportError:  # pragma: no cover
+    pytest = None
+
+if pytest is not None:
+    def test_cpu_ops():
+        out = run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR)))
+        assert out["gemm_tile"]["bf16_mode_max_abs_err_vs_fp64"] < 1e-3
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
+    run(ap.parse_args(argv).out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
