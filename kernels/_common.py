@@ -17,6 +17,8 @@ import torch
 
 OUTPUT_NAMES = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
 NORM_MODES = ("rms", "rms_one_plus", "none")
+# HeadOutput fields returned in the request's out_dtype (lse and topk_tail stay fp32).
+OUT_DTYPE_FIELDS = ("logits", "logprobs", "topk_logprobs", "draft_logprobs")
 
 
 @dataclass

@@ -19,12 +19,15 @@ the target dtype) and `_release()`; it calls `_init_common` from its `build`.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
+
+from eagle_fast.kernels._common import OUT_DTYPE_FIELDS
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -53,8 +56,6 @@ SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
 # Tokens per head call in `forward_eagle3_supervision`: bounds the transient head outputs (one
 # group's) while keeping calls large enough that per-call work (the weight upcast) is noise.
 _SUPERVISION_GROUP_TOKENS = 1024
-# HeadOutput fields that come in `out_dtype` (lse and topk_tail stay fp32).
-_OUT_DTYPE_FIELDS = ("logits", "logprobs", "topk_logprobs", "draft_logprobs")
 
 
 @runtime_checkable
@@ -507,7 +508,7 @@ class RunnerBase:
                 n = lens[b]
                 for name, value in values.items():
                     if name not in fields_out:
-                        dtype = out_dtype if name in _OUT_DTYPE_FIELDS else value.dtype
+                        dtype = out_dtype if name in OUT_DTYPE_FIELDS else value.dtype
                         fields_out[name] = zeros((B, S, *value.shape[1:]), dtype, device)
                     fields_out[name][b, :n] = value[start : start + n]
                 start += n
@@ -573,9 +574,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     resident, and the rest are written once. Small buffers and other devices use torch.zeros.
     """
     device = torch.device(device)
-    numel = 1
-    for n in shape:
-        numel *= int(n)
+    numel = math.prod(int(n) for n in shape)
     twin = _NUMPY_TWINS.get(dtype)
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     if device.type != "cpu" or twin is None or nbytes < _LAZY_ZEROS_MIN_BYTES:
