@@ -137,31 +137,92 @@ def test_supervision_equals_head_over_transformers_logits(runner):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("group_tokens", [10_000, 10], ids=["one-group", "row-groups"])
-def test_supervision_out_dtype_and_groups_equal_the_head(hf_llama, out_dtype, group_tokens):
-    # The runner sends rows through the head in token groups and, for 16-bit outputs, rounds
-    # the head's fp32 results while copying them into the [B, S, ...] fields (top-k excepted):
-    # every field must equal the head's own output for the non-pad rows, bit for bit, and be
-    # zero at pad positions, whatever the grouping.
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"_SUPERVISION_GROUP_TOKENS": 10_000},
+        {"_SUPERVISION_GROUP_TOKENS": 16, "_SUPERVISION_MIN_TOKENS": 16},
+        {"_SUPERVISION_STAGING_BYTES": 0, "_SUPERVISION_MIN_TOKENS": 16},
+    ],
+    ids=["one-group", "split-rows", "shrinking"],
+)
+def test_supervision_out_dtype_and_groups_equal_the_head(hf_llama, out_dtype, plan):
+    # The runner sends rows through the head in token groups (pieces of rows, shrinking towards
+    # the end) and, for 16-bit outputs, rounds the head's fp32 results while copying them into
+    # the [B, S, ...] fields (top-k excepted): every field must equal the head's own output for
+    # the non-pad rows, bit for bit, and be zero at pad positions, whatever the grouping.
+    import contextlib
     from unittest import mock
 
     from eagle_fast.runners import base
 
-    ids, mask = make_batch(seed=2)
+    ids, mask = make_batch(lengths=(40, 33, 1, 50), seed=2)
     draft_ids = draft_vocab()
     keep = mask.bool()
     final = torch.cat([f for _, f in hf_llama.capture(rows(ids, mask))])
     for outputs in (("draft", "argmax"), ("logits", "logprobs", "topk", "draft")):
         want = hf_llama.head.compute(final, outputs, k=4, draft_ids=draft_ids, out_dtype=out_dtype)
-        with mock.patch.object(base, "_SUPERVISION_GROUP_TOKENS", group_tokens):
+        calls = []
+
+        def counted(h, *a, _compute=hf_llama.head.compute, _calls=calls, **kw):
+            _calls.append(len(h))
+            return _compute(h, *a, **kw)
+
+        with contextlib.ExitStack() as stack:
+            for name, value in plan.items():
+                stack.enter_context(mock.patch.object(base, name, value))
+            stack.enter_context(mock.patch.object(hf_llama.head, "compute", counted))
             sup = hf_llama.forward_eagle3_supervision(
                 ids, mask, outputs=outputs, draft_ids=draft_ids, k=4, out_dtype=out_dtype
             )
+        assert sum(calls) == int(keep.sum())
+        if plan.get("_SUPERVISION_GROUP_TOKENS") == 16:  # rows split across calls
+            assert max(calls) <= 16 and len(calls) == 8, calls
+        if "_SUPERVISION_STAGING_BYTES" in plan:  # never growing towards the end
+            assert calls[1:] == sorted(calls[1:], reverse=True) and calls[-1] == 16, calls
+            assert len(calls) > 2 and calls[0] >= calls[1], calls
         for name, value in want.as_dict().items():
             got = getattr(sup, name)
             assert got.dtype == value.dtype, (outputs, name, got.dtype)
             assert torch.equal(got[keep], value), (outputs, name)
             assert not got[~keep].any(), (outputs, name, "pad positions must be zero")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_supervision_group_plan_covers_rows_and_bounds_staging(seed):
+    # Pure planner: every token once, in row-major order; sizes within [min, max] (the first
+    # group may be smaller); and at every group, fields written so far + the group's staged
+    # results + its new field pages stay within `budget` of the fields' final size.
+    from eagle_fast.runners.base import plan_supervision_groups
+
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(0, 300, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
+    lens[0] = max(lens[0], 1)
+    kept = int(torch.randint(1, 5000, (1,), generator=g))
+    staged = kept * int(torch.randint(1, 4, (1,), generator=g)) + int(torch.randint(0, 900, (1,), generator=g))
+    budget = int(torch.randint(0, 60 * staged, (1,), generator=g))
+    lo, hi = 16, int(torch.randint(16, 400, (1,), generator=g))
+    groups = plan_supervision_groups(lens, staged, kept, budget, max_tokens=hi, min_tokens=lo)
+    flat = [(b, t) for pieces in groups for b, a, c in pieces for t in range(a, c)]
+    assert flat == [(b, t) for b, n in enumerate(lens) for t in range(n)]
+    assert all(c > a for pieces in groups for _, a, c in pieces)
+    sizes = [sum(c - a for _, a, c in pieces) for pieces in groups]
+    total, written = sum(lens), 0
+    for i, s in enumerate(sizes):
+        assert 0 < s <= hi and (s >= lo or i == 0 or s == total - written), sizes
+        after = total - written - s
+        assert s * staged <= max(budget + kept * after, lo * staged), (i, sizes)
+        written += s
+
+
+def test_supervision_group_plan_rejects_bad_arguments():
+    from eagle_fast.runners.base import plan_supervision_groups
+
+    with pytest.raises(ValueError, match="bytes per token"):
+        plan_supervision_groups([3], 0, 1, 10, max_tokens=4)
+    with pytest.raises(ValueError, match="min_tokens <= max_tokens"):
+        plan_supervision_groups([3], 1, 1, 10, max_tokens=4, min_tokens=5)
+    assert plan_supervision_groups([0, 0], 1, 1, 10, max_tokens=4) == []
 
 
 def test_bf16_runner_captures_in_bf16(tiny_llama):

@@ -44,6 +44,7 @@ __all__ = [
     "capture_plan",
     "load_config_and_head",
     "pack_by_tokens",
+    "plan_supervision_groups",
     "resolve_dtype",
     "unpad",
     "validate_aux_layer_ids",
@@ -53,9 +54,15 @@ __all__ = [
 # Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
 HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
 SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
-# Tokens per head call in `forward_eagle3_supervision`: bounds the transient head outputs (one
-# group's) while keeping calls large enough that per-call work (the weight upcast) is noise.
-_SUPERVISION_GROUP_TOKENS = 1024
+# Head calls in `forward_eagle3_supervision` (see `plan_supervision_groups`): a call's results
+# are staged while they are copied into the [B, S, ...] fields, and the groups are sized so the
+# staging never adds more than _SUPERVISION_STAGING_BYTES to what the filled fields will hold.
+# Each call also streams and upcasts the whole weight (~60 ms at V=151,936 on this project's CPU,
+# `bench/bench_cpu_ops.py` "call-overhead"), so groups are as large as that allows, up to
+# _SUPERVISION_GROUP_TOKENS, and never smaller than _SUPERVISION_MIN_TOKENS.
+_SUPERVISION_STAGING_BYTES = 16 << 20
+_SUPERVISION_GROUP_TOKENS = 8192
+_SUPERVISION_MIN_TOKENS = 16
 
 
 @runtime_checkable
@@ -488,15 +495,22 @@ class RunnerBase:
         # transient of the group's outputs sits next to the fp32 one. Not with top-k, whose
         # log-probs the head rounds from float64 (fp32 first would round twice).
         head_dtype = out_dtype if "topk" in head_outputs else torch.float32
+        staged, kept = self._supervision_bytes_per_token(
+            head_outputs, "hidden" in outputs, draft_ids, k, head_dtype, out_dtype
+        )
+        groups = plan_supervision_groups(
+            lens, staged, kept, _SUPERVISION_STAGING_BYTES,
+            max_tokens=_SUPERVISION_GROUP_TOKENS, min_tokens=_SUPERVISION_MIN_TOKENS,
+        )  # fmt: skip
+        last_use = {b: g for g, pieces in enumerate(groups) for b, _, _ in pieces}
         fields_out: dict[str, torch.Tensor] = {}
-        # Largest groups first: the outputs fill up as groups finish, so the late groups, whose
-        # transient adds to nearly full outputs, are the small ones (a lower peak).
-        groups = pack_by_tokens(lens, _SUPERVISION_GROUP_TOKENS)
-        groups.sort(key=lambda g: -sum(lens[b] for b in g))
-        for rows in groups:
-            final = torch.cat([finals[b] for b in rows]) if len(rows) > 1 else finals[rows[0]]
-            for b in rows:
-                finals[b] = None
+        for g, pieces in enumerate(groups):
+            parts = [finals[b][a:c] for b, a, c in pieces]
+            final = torch.cat(parts) if len(parts) > 1 else parts[0]
+            del parts
+            for b, _, _ in pieces:
+                if last_use[b] == g:
+                    finals[b] = None
             head = self.head.compute(
                 final, head_outputs, k=k, draft_ids=draft_ids, out_dtype=head_dtype, impl=impl
             )
@@ -504,17 +518,40 @@ class RunnerBase:
             if "hidden" in outputs:
                 values["hidden"] = final
             start = 0
-            for b in rows:
-                n = lens[b]
+            for b, a, c in pieces:
                 for name, value in values.items():
                     if name not in fields_out:
                         dtype = out_dtype if name in OUT_DTYPE_FIELDS else value.dtype
                         fields_out[name] = zeros((B, S, *value.shape[1:]), dtype, device)
-                    fields_out[name][b, :n] = value[start : start + n]
-                start += n
+                    fields_out[name][b, a:c] = value[start : start + c - a]
+                start += c - a
             del head, values, final
         sup = Supervision(aux_hidden_states=aux, attention_mask=attention_mask, **fields_out)
         return sup
+
+    def _supervision_bytes_per_token(
+        self, head_outputs, with_hidden: bool, draft_ids, k: int, head_dtype, out_dtype
+    ) -> tuple[int, int]:
+        """(staged, kept): bytes per token of one head call's results (plus its fp32 activation)
+        while they are copied, and of the [B, S, ...] fields they end up in."""
+        size = {torch.float32: 4, torch.float64: 8}
+        h_el = size.get(head_dtype, 2)
+        o_el = size.get(out_dtype, 2)
+        widths = {"lse": (4, 4), "argmax": (8, 8)}  # name -> (staged, kept) bytes per token
+        if "logits" in head_outputs:
+            widths["logits"] = (h_el * self.head.vocab_size, o_el * self.head.vocab_size)
+        if "logprobs" in head_outputs:
+            widths["logprobs"] = (h_el * self.head.vocab_size, o_el * self.head.vocab_size)
+        if "topk" in head_outputs:
+            widths["topk"] = ((8 + h_el) * k + 4, (8 + o_el) * k + 4)
+        if "draft" in head_outputs and draft_ids is not None:
+            widths["draft"] = (h_el * draft_ids.numel() + 1, o_el * draft_ids.numel() + 1)
+        hidden_bytes = self.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
+        if with_hidden:
+            widths["hidden"] = (0, hidden_bytes)  # the capture itself, already resident
+        staged = sum(w for w, _ in widths.values()) + 4 * self.hidden_size + hidden_bytes
+        kept = sum(w for _, w in widths.values())
+        return staged, kept
 
     def input_embedding_weight(self) -> torch.Tensor:
         """The target input embedding `[V, H]`, read from the checkpoint (shared with a tied head)."""
@@ -583,6 +620,62 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
 
     out = torch.from_numpy(np.zeros(tuple(int(n) for n in shape), dtype=twin))
     return out.view(dtype) if out.dtype != dtype else out
+
+
+def plan_supervision_groups(
+    lens: Sequence[int],
+    staged_per_token: int,
+    kept_per_token: int,
+    budget_bytes: int,
+    *,
+    max_tokens: int,
+    min_tokens: int = 1,
+) -> list[list[tuple[int, int, int]]]:
+    """Head-call groups for `forward_eagle3_supervision`: lists of `(row, start, end)` token
+    pieces that cover every row's `lens[row]` tokens once, in row-major order (a row may span
+    groups).
+
+    While a group of s tokens is copied into the [B, S, ...] fields, memory holds the fields
+    written so far, the group's staged results (s * staged_per_token) and its new field pages.
+    Sizing every group by s * staged_per_token <= budget_bytes + kept_per_token * after, where
+    `after` counts the tokens of the groups that follow, keeps that sum within budget_bytes of
+    the fields' final size at every step. Groups are planned from the last one backwards, so
+    they shrink towards the end and the first group takes what is left; sizes are clamped to
+    [min_tokens, max_tokens] (a first group smaller than the second shares its tokens).
+    """
+    total = int(sum(lens))
+    if staged_per_token <= 0 or kept_per_token < 0 or budget_bytes < 0:
+        raise ValueError("plan_supervision_groups: bytes per token and budget must be >= 0")
+    if max_tokens < 1 or not 1 <= min_tokens <= max_tokens:
+        raise ValueError("plan_supervision_groups: need 1 <= min_tokens <= max_tokens")
+    sizes: list[int] = []
+    after = 0
+    while after < total:
+        s = (budget_bytes + kept_per_token * after) // staged_per_token
+        s = min(max(s, min_tokens), max_tokens, total - after)
+        sizes.append(s)
+        after += s
+    sizes.reverse()
+    if len(sizes) > 1 and sizes[0] < sizes[1]:
+        # The first group took what was left, maybe a sliver: a whole call for it (the weight is
+        # streamed per call), and tiny calls round differently (the CPU fp32 GEMM's per-row
+        # result depends on the row count below ~16). Sharing the first two groups' tokens
+        # evenly keeps both within the second group's bound, which the first one's exceeds.
+        pair = sizes[0] + sizes[1]
+        sizes[0], sizes[1] = pair - pair // 2, pair // 2
+    groups: list[list[tuple[int, int, int]]] = []
+    row, pos = 0, 0
+    for s in sizes:
+        pieces = []
+        while s:
+            while pos == lens[row]:
+                row, pos = row + 1, 0
+            take = min(s, lens[row] - pos)
+            pieces.append((row, pos, pos + take))
+            pos += take
+            s -= take
+        groups.append(pieces)
+    return groups
 
 
 def pack_by_tokens(lens: Sequence[int], budget: int) -> list[list[int]]:
