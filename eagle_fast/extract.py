@@ -13,7 +13,8 @@ Stages
      produces the same shards as one run. Within a shard, samples are sorted by length and
      packed into batches under a token budget, so batch composition - and with it every
      floating-point result - depends only on the shard's content: resumed, split and single
-     runs write byte-identical shards.
+     runs write byte-identical shards (same machine and software; one CI run saw head floats
+     differ by ~3e-5 across processes, unexplained: see tests/test_e2e_vllm.py).
   4. Run: the main thread calls the engine (`runner.capture`, one call per batch) and the
      head (`runner.head.compute` on the batch's final hidden states), then hands per-sample
      results to a writer thread through a bounded queue; the writer encodes them for the
