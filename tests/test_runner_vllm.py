@@ -249,8 +249,11 @@ def test_tied_runners_in_sequence_rebuild_and_close(tiny_qwen3, tmp_path):
         str(tiny_qwen3), vllm_kwargs=dict(VLLM_TEST_KWARGS), storage_dir=str(tmp_path)
     )
     assert runner_a.storage_dir is None and engine_processes() == before  # lazy: no engine yet
+    orphan = tmp_path / "eagle_fast-hs-999999999.1-killed"  # no such pid: a SIGKILLed runner's
+    orphan.mkdir()
     with runner_a:
         runner_a.set_aux_layers([3, 0, 2])
+        assert not orphan.exists()  # swept when the engine started
         hf.set_aux_layers([3, 0, 2])
         assert runner_a.head.tied and runner_a.capture_ids == [1, 3, 4]
         assert os.path.dirname(runner_a.storage_dir) == str(tmp_path)
@@ -280,3 +283,32 @@ def test_tied_runners_in_sequence_rebuild_and_close(tiny_qwen3, tmp_path):
     with pytest.raises(RuntimeError, match="closed"):
         runner_b.forward_eagle3(*make_batch(lengths=(2,)))
     hf.close()
+
+
+def test_sweep_removes_only_the_capture_dirs_of_dead_owners(tmp_path):
+    # A runner killed with SIGKILL cannot remove its capture dir; the next engine start does,
+    # when the dir's name proves its owner is gone (dead pid, or a reused pid that started at
+    # another time). Live owners' dirs, old-style names and other files are left alone.
+    import subprocess
+    import sys
+
+    from eagle_fast.runners.vllm import _process_start, _storage_prefix, sweep_orphaned_storage
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    me, start = os.getpid(), _process_start(os.getpid())
+    assert start is not None  # Linux /proc
+    names = {
+        "dead": f"eagle_fast-hs-{gone.pid}.{start + 7}-a1",
+        "reused": f"eagle_fast-hs-{me}.{start + 1}-b2",
+        "alive": _storage_prefix() + "c3",
+        "legacy": "eagle_fast-hs-d4e5f6",
+        "other": "psm_1234",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "0.safetensors").write_bytes(b"x")
+    removed = sweep_orphaned_storage(str(tmp_path))
+    assert sorted(removed) == sorted(str(tmp_path / names[k]) for k in ("dead", "reused"))
+    assert sorted(os.listdir(tmp_path)) == sorted(names[k] for k in ("alive", "legacy", "other"))
+    assert sweep_orphaned_storage(str(tmp_path / "missing")) == []

@@ -14,7 +14,9 @@ Design points:
   rebuilt only when the set of capture ids changes; aux id `L-1` shares the final slot.
 - On CPU the KV cache is bounded by default (`kv_cache_memory_bytes`), unless the caller or
   `VLLM_CPU_KVCACHE_SPACE` sets it; on GPU `gpu_memory_utilization` defaults to 0.5 (NeMo's).
-- `close()` shuts the engine's processes down explicitly and removes the temp dir.
+- `close()` shuts the engine's processes down explicitly and removes the temp dir. A runner
+  killed before it could (SIGKILL) leaves its dir; the next engine start on the machine removes
+  the dirs whose owner process is gone (`sweep_orphaned_storage`).
 - Every vLLM call that depends on its version is in `_vllm_compat.py`.
 Limits: one engine per runner; only TP rank 0 writes files (vLLM's rule), which the main
 process reads, so the runner must run where rank 0's filesystem is visible.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -44,6 +47,61 @@ __all__ = ["VLLMTargetRunner"]
 _CPU_KV_PROMPTS = 2
 _CPU_KV_MIN_BYTES = 64 << 20
 _CPU_KV_MAX_BYTES = 4 << 30  # beyond this, set kv_cache_memory_bytes / max_model_len explicitly
+
+
+# Capture dirs are named for their owner, `eagle_fast-hs-{pid}.{start}-XXXXXXXX` (start: the
+# process's start time, so a reused pid is not mistaken for the owner). close() removes a dir; a
+# runner killed with SIGKILL cannot, so every engine start sweeps the dirs of dead owners.
+_STORAGE_NAME = re.compile(r"^eagle_fast-hs-(\d+)\.(\d+)-")
+
+
+def _process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (Linux /proc), or None when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _storage_prefix() -> str:
+    pid = os.getpid()
+    return f"eagle_fast-hs-{pid}.{_process_start(pid) or 0}-"
+
+
+def _owner_alive(pid: int, start: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    now = _process_start(pid)
+    return start == 0 or now is None or now == start
+
+
+def sweep_orphaned_storage(parent: str) -> list[str]:
+    """Remove capture dirs under `parent` whose owning process is gone; returns their paths.
+
+    Only names this module writes are considered, and only when the owner is provably dead (no
+    such pid, or the pid now belongs to a process that started at another time).
+    """
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = _STORAGE_NAME.match(name)
+        if m is None or _owner_alive(int(m.group(1)), int(m.group(2))):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    if removed:
+        logger.info("removed %d capture dir(s) left by dead runners: %s", len(removed), removed)
+    return removed
 
 
 class VLLMTargetRunner(RunnerBase):
@@ -172,7 +230,8 @@ class VLLMTargetRunner(RunnerBase):
         )
 
     def _start_engine(self, capture_ids: list[int]) -> None:
-        self._storage = tempfile.mkdtemp(prefix="eagle_fast-hs-", dir=self._storage_parent)
+        sweep_orphaned_storage(self._storage_parent or tempfile.gettempdir())
+        self._storage = tempfile.mkdtemp(prefix=_storage_prefix(), dir=self._storage_parent)
         self._storage_finalizer = weakref.finalize(self, shutil.rmtree, self._storage, True)
         try:
             self._llm = compat.build_llm(self._engine_kwargs(capture_ids))
