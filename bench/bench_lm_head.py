@@ -39,8 +39,10 @@ Limits
     reported separately as `resident_bytes` and is NOT in provider 1's peak: that makes the
     memory target stricter on us. CPU absolute times are noisy (shared machine); only ratios
     measured in one run are claims. Providers 4 and 5 are skipped on CPU (the interpreter is
-    not a speed), and provider 2 is called once there (`ONCE`: PyTorch's CPU bf16 GEMM is
-    emulated, ~7x slower than fp32, so it can never be the faster baseline).
+    not a speed). Provider 2 is called once on CPUs without AVX512-BF16/AMX (`_once`: there
+    PyTorch's bf16 GEMM is emulated, ~7x slower than fp32, so it can never be the faster
+    baseline); with them it is oneDNN's bf16 GEMM, which rounds the logits to bf16, the fastest
+    provider, and timed in rounds like the others.
 """
 
 from __future__ import annotations
@@ -88,10 +90,15 @@ EPS = 1e-6
 # sweep. CPU calls take seconds and all of `make bench` has 10 minutes on 2 cores; CUDA calls
 # take milliseconds.
 ROUNDS = {"cpu": {"target": (1, 3), "sweep": (1, 2)}, "cuda": {"target": (2, 7), "sweep": (2, 5)}}
-# Called once (warm-up = its only sample) per device; see _harness.SideBySide. On CPU PyTorch's
-# bf16 GEMM is emulated (~20 GFLOP/s on AVX2, 7x slower than fp32), so provider 2 can never be
-# the faster baseline there, and repeating its 15-second calls would eat the budget.
-ONCE = {"cpu": ("torch-native",), "cuda": ()}
+# Called once (warm-up = its only sample) per device; see _harness.SideBySide. On CPUs without
+# AVX512-BF16/AMX, PyTorch's bf16 GEMM is emulated (~20 GFLOP/s on AVX2, 7x slower than fp32), so
+# provider 2 can never be the faster baseline there, and repeating its 15-second calls would eat
+# the budget. With them (oneDNN), it is the fastest provider and is timed like the others: one
+# sample of it ranged 1.3-2.4 s across runs on the same machine.
+def _once() -> dict:
+    from eagle_fast.kernels.reference import _bf16_gemm_supported
+
+    return {"cpu": () if _bf16_gemm_supported() else ("torch-native",), "cuda": ()}
 
 
 # --------------------------------------------------------------------------- inputs
@@ -310,7 +317,7 @@ def run_case(inp: Inputs, mode: str, names, *, rounds=None, benchmark=None) -> t
     device, shape = inp.device, inp.shape
     kind = "target" if is_target(shape, mode, device) else "sweep"
     warmups, n_rounds = rounds or ROUNDS[device][kind]
-    sbs = H.SideBySide(make_providers(inp, mode, names), device, once=ONCE[device], summarize=summarize)
+    sbs = H.SideBySide(make_providers(inp, mode, names), device, once=_once()[device], summarize=summarize)
     sbs.warmup(extra_warmups=warmups - 1)
     check = cross_check(sbs.timings, "seed-fp32" if "seed-fp32" in names else names[0])
     outs = {n: (t.result or {}).get("_output_bytes") for n, t in sbs.timings.items()}
