@@ -24,7 +24,16 @@ _LAZY = {
     "Eagle3Dataset": "eagle_fast.dataset",
 }
 
-__all__ = sorted(_LAZY) + ["__version__"]
+# The names of _LAZY plus __version__ (tests/test_packaging.py checks they agree).
+__all__ = [
+    "Eagle3Dataset",
+    "HFTargetRunner",
+    "Supervision",
+    "TargetHead",
+    "TargetRunner",
+    "VLLMTargetRunner",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

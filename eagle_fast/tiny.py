@@ -127,25 +127,27 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        common = dict(
-            hidden_size=spec.hidden_size,
-            num_hidden_layers=spec.num_hidden_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_key_value_heads=spec.num_key_value_heads,
-            head_dim=spec.head_dim,
-            intermediate_size=spec.intermediate_size,
-            vocab_size=spec.vocab_size,
-            tie_word_embeddings=spec.tie_word_embeddings,
-            max_position_embeddings=spec.max_position_embeddings,
-            rms_norm_eps=spec.rms_norm_eps,
-            bos_token_id=None,
-            eos_token_id=2,
-            pad_token_id=0,
-        )
+        common = {
+            "hidden_size": spec.hidden_size,
+            "num_hidden_layers": spec.num_hidden_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads,
+            "head_dim": spec.head_dim,
+            "intermediate_size": spec.intermediate_size,
+            "vocab_size": spec.vocab_size,
+            "tie_word_embeddings": spec.tie_word_embeddings,
+            "max_position_embeddings": spec.max_position_embeddings,
+            "rms_norm_eps": spec.rms_norm_eps,
+            "bos_token_id": None,
+            "eos_token_id": 2,
+            "pad_token_id": 0,
+        }
         if spec.arch == "qwen3":
-            from transformers import Qwen3Config as Config, Qwen3ForCausalLM as Model
+            from transformers import Qwen3Config as Config
+            from transformers import Qwen3ForCausalLM as Model
         elif spec.arch == "llama":
-            from transformers import LlamaConfig as Config, LlamaForCausalLM as Model
+            from transformers import LlamaConfig as Config
+            from transformers import LlamaForCausalLM as Model
         else:
             raise ValueError(f"TinySpec.arch={spec.arch!r}: use 'qwen3' or 'llama'")
         cfg = Config(**common)

@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
+import pytest
 
 
 def _cuda_available() -> bool:
@@ -23,7 +23,7 @@ def _cuda_available() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch always present in the venv
+    except (ImportError, RuntimeError):  # pragma: no cover - torch always present in the venv
         return False
 
 
