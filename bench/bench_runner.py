@@ -10,9 +10,10 @@ What it does
       seed+draft-projection    the same, then NeMo AutoModel's own `_compute_target_distribution`
                                (argmax mask + draft-vocab softmax): what the seed's user runs
       forward_eagle3           ours, drop-in: full fp32 logits, pads skipped
-      forward_eagle3_supervision  ours, fast path: outputs=("draft", "argmax"), 32k draft vocab
-      forward_eagle3_supervision-bf16  the same with out_dtype=bfloat16 draft log-probs (half
-                               the output bytes; the training dtype of the draft)
+      forward_eagle3_supervision  ours, fast path: outputs=("draft", "argmax"), 32k draft vocab,
+                               default out_dtype (the target's: bf16 draft log-probs here)
+      forward_eagle3_supervision-fp32  the same with out_dtype=float32 (the head's results
+                               unrounded; twice the output bytes)
       capture / capture-padded the engine alone (unpadded rows / full rows), for the head share
     and reports tokens/s (non-pad tokens / call time), the head's share of each call
     (1 - capture time / call time) and peak extra memory of each call (main-process RSS: the
@@ -169,9 +170,9 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
             "forward_eagle3": lambda: runner.forward_eagle3(input_ids, mask),
             "forward_eagle3_supervision": lambda: runner.forward_eagle3_supervision(
                 input_ids, mask, outputs=("draft", "argmax"), draft_ids=draft_ids),
-            "forward_eagle3_supervision-bf16": lambda: runner.forward_eagle3_supervision(
+            "forward_eagle3_supervision-fp32": lambda: runner.forward_eagle3_supervision(
                 input_ids, mask, outputs=("draft", "argmax"), draft_ids=draft_ids,
-                out_dtype=torch.bfloat16),
+                out_dtype=torch.float32),
             "capture": lambda: runner.capture(seqs),
             "capture-padded": lambda: runner.capture(full_rows),
         }
@@ -266,8 +267,8 @@ def _cross_check(sbs: H.SideBySide, mask, draft_mask) -> dict:
         res["forward_eagle3_argmax_agree"] = float((ours["argmax"] == seed["argmax"]).float().mean())
         res["supervision_argmax_agree"] = float((sup["argmax"] == seed["argmax"]).float().mean())
         res["supervision_in_draft_agree"] = float((sup["in_draft"] == draft_mask[seed["argmax"]]).float().mean())
-        sup16 = sbs.timings["forward_eagle3_supervision-bf16"].result
-        res["supervision_bf16_argmax_agree"] = float((sup16["argmax"] == seed["argmax"]).float().mean())
+        sup32 = sbs.timings["forward_eagle3_supervision-fp32"].result
+        res["supervision_fp32_argmax_agree"] = float((sup32["argmax"] == seed["argmax"]).float().mean())
         res["forward_eagle3_max_abs_max_logit_diff"] = float((ours["max_logit"] - seed["max_logit"]).abs().max())
     except Exception as e:  # noqa: BLE001 - a failed method is reported in its record
         res["error"] = f"{type(e).__name__}: {e}"
@@ -286,11 +287,11 @@ def evaluate(records: list) -> H.Verdicts:
         r = fe3["tokens_per_s"] / seed["tokens_per_s"]
         v.check(f"runner ({where}): forward_eagle3 throughput >= seed's", r >= 1.0,
                 f"{fe3['tokens_per_s']:.0f} vs {seed['tokens_per_s']:.0f} tok/s = {r:.2f}x")
-    for name in ("forward_eagle3_supervision", "forward_eagle3_supervision-bf16"):
+    for name in ("forward_eagle3_supervision", "forward_eagle3_supervision-fp32"):
         r = by.get(name)
         if not (r and r["median_s"]):
             continue
-        label = "supervision(draft, argmax" + (", bf16 out)" if name.endswith("bf16") else ")")
+        label = "supervision(draft, argmax" + (", fp32 out)" if name.endswith("fp32") else ")")
         ratio = r["tokens_per_s"] / seed["tokens_per_s"]
         v.check(f"runner ({where}): {label} throughput >= 1.3x seed's", ratio >= 1.3,
                 f"{r['tokens_per_s']:.0f} vs {seed['tokens_per_s']:.0f} tok/s = {ratio:.2f}x")

@@ -229,8 +229,19 @@ def test_bf16_runner_captures_in_bf16(tiny_llama):
     with HFTargetRunner.build(str(tiny_llama), dtype=torch.bfloat16) as runner:
         runner.set_aux_layers([0, 1, 2])
         ids, mask = make_batch(lengths=(4, 6))
-        sup = runner.forward_eagle3_supervision(ids, mask, outputs=("lse", "argmax", "hidden"))
+        draft_ids = draft_vocab()
+        sup = runner.forward_eagle3_supervision(
+            ids, mask, outputs=("lse", "argmax", "hidden", "draft"), draft_ids=draft_ids
+        )
         assert sup.aux_hidden_states.dtype == torch.bfloat16 and sup.hidden.dtype == torch.bfloat16
+        # log-prob fields default to the target dtype: the head's fp32 results, rounded once
+        want = runner.head.compute(sup.hidden[mask.bool()], ("draft",), draft_ids=draft_ids)
+        assert sup.draft_logprobs.dtype == torch.bfloat16
+        assert torch.equal(sup.draft_logprobs[mask.bool()], want.draft_logprobs.to(torch.bfloat16))
+        fp32 = runner.forward_eagle3_supervision(
+            ids, mask, outputs=("draft",), draft_ids=draft_ids, out_dtype=torch.float32
+        )
+        assert torch.equal(fp32.draft_logprobs[mask.bool()], want.draft_logprobs)
         assert runner.head.dtype == torch.bfloat16 and sup.lse.dtype == torch.float32
         logits, _ = runner.forward_eagle3(ids, mask)
         keep = mask.bool()

@@ -97,7 +97,7 @@ class Supervision:
     aux_hidden_states  [B, S, 3H]  target dtype, the three aux layers concatenated
     attention_mask     [B, S]      as given
     lse, argmax        [B, S]      fp32 / int64, always filled
-    logits, logprobs   [B, S, V]   out_dtype, only when requested
+    logits, logprobs   [B, S, V]   out_dtype (default: the target dtype), only when requested
     topk_ids           [B, S, k]   int64;  topk_logprobs [B, S, k] out_dtype;  topk_tail [B, S] fp32
     draft_logprobs     [B, S, Vd]  out_dtype, log_softmax over the draft ids (exp() = EAGLE-3's target_p)
     argmax_in_draft    [B, S]      bool, full-vocab argmax is a draft token (EAGLE-3's position mask
@@ -458,7 +458,7 @@ class RunnerBase:
         outputs: Sequence[str] = ("draft",),
         draft_ids: torch.Tensor | None = None,
         k: int = 0,
-        out_dtype: torch.dtype = torch.float32,
+        out_dtype: torch.dtype | None = None,
         impl: str = "auto",
     ) -> Supervision:
         """The fast path: aux hidden states plus only the head outputs the loss needs.
@@ -466,8 +466,14 @@ class RunnerBase:
         `outputs` is any of "logits", "logprobs", "lse", "argmax", "topk" (with `k`), "draft"
         (with `draft_ids`, strictly increasing target ids), "hidden". Only non-pad tokens go
         through the head; pad positions are zero/False. See `Supervision` for shapes.
+        `out_dtype` is the dtype of the logit/log-prob fields: by default the target's own
+        dtype, as transformers returns a model's logits (a bf16 target gives bf16 draft
+        log-probs, half the bytes of fp32). The head computes in fp32 either way and rounds
+        once; pass `torch.float32` to keep its results unrounded.
         """
         self._require_aux()
+        if out_dtype is None:
+            out_dtype = self.dtype
         if isinstance(outputs, str):
             outputs = (outputs,)
         outputs = tuple(outputs)
