@@ -123,7 +123,11 @@ def call_overhead(reps: int = 5) -> dict:
         calls[f"N={n}"] = (lambda h=hidden, w=weight, g=norm_w, d=draft:
                            lm_head(h, w, g, outputs=("draft", "argmax"), draft_ids=d, impl="torch"))
     t = _interleaved(calls, reps)
-    return {"seconds": t, "per_token_s": {k: s / int(k[2:]) for k, s in t.items()}}
+    # t(N) = fixed + N * per_token through the two points: the cost every call pays whatever
+    # its size (streaming and upcasting the weight, per-chunk overhead).
+    per_token = (t["N=1024"] - t["N=64"]) / (1024 - 64)
+    return {"seconds": t, "per_token_s": {k: s / int(k[2:]) for k, s in t.items()},
+            "fixed_s": max(0.0, t["N=64"] - 64 * per_token)}
 
 
 def run(out_dir: Path | None = None) -> dict:
@@ -142,7 +146,9 @@ def run(out_dir: Path | None = None) -> dict:
     print("  reductions (G elem/s): " + ", ".join(f"{k} {v:.2f}" for k, v in out["reductions"]["g_elements_per_s"].items()))
     print("  tile sweep: " + ", ".join(f"{k} {H.fmt_s(v)}" for k, v in out["tile_sweep"]["seconds"].items())
           + f" (default {out['tile_sweep']['default']})")
-    print("  call: " + ", ".join(f"{k} {H.fmt_s(v)}" for k, v in out["call_overhead"]["seconds"].items()))
+    c = out["call_overhead"]
+    print("  call: " + ", ".join(f"{k} {H.fmt_s(v)}" for k, v in c["seconds"].items())
+          + f" (fixed cost per call {H.fmt_s(c['fixed_s'])})")
     return out
 
 

@@ -285,6 +285,8 @@ def cpu_ops_section(d: dict) -> list[str]:
     out += _table(["tile", "median"], [[k, fmt_s(v)] for k, v in t["seconds"].items()])
     out += _table(["one call", "median", "per token"],
                   [[k, fmt_s(v), fmt_s(c["per_token_s"][k])] for k, v in c["seconds"].items()])
+    if "fixed_s" in c:
+        out += [f"Fixed cost of one call (the line through both points at N=0): {fmt_s(c['fixed_s'])}.", ""]
     return out
 
 

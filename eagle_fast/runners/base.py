@@ -57,9 +57,10 @@ SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
 # Head calls in `forward_eagle3_supervision` (see `plan_supervision_groups`): a call's results
 # are staged while they are copied into the [B, S, ...] fields, and the groups are sized so the
 # staging never adds more than _SUPERVISION_STAGING_BYTES to what the filled fields will hold.
-# Each call also streams and upcasts the whole weight (~60 ms at V=151,936 on this project's CPU,
-# `bench/bench_cpu_ops.py` "call-overhead"), so groups are as large as that allows, up to
-# _SUPERVISION_GROUP_TOKENS, and never smaller than _SUPERVISION_MIN_TOKENS.
+# Each call also streams and upcasts the whole weight, a fixed cost per call (tens of ms at
+# V=151,936 on this project's CPU: `bench/bench_cpu_ops.py`, "call-overhead"), so groups are as
+# large as that allows, up to _SUPERVISION_GROUP_TOKENS, and never smaller than
+# _SUPERVISION_MIN_TOKENS.
 _SUPERVISION_STAGING_BYTES = 16 << 20
 _SUPERVISION_GROUP_TOKENS = 8192
 _SUPERVISION_MIN_TOKENS = 16
@@ -540,9 +541,7 @@ class RunnerBase:
     ) -> tuple[int, int]:
         """(staged, kept): bytes per token of one head call's results (plus its fp32 activation)
         while they are copied, and of the [B, S, ...] fields they end up in."""
-        size = {torch.float32: 4, torch.float64: 8}
-        h_el = size.get(head_dtype, 2)
-        o_el = size.get(out_dtype, 2)
+        h_el, o_el = head_dtype.itemsize, out_dtype.itemsize
         widths = {"lse": (4, 4), "argmax": (8, 8)}  # name -> (staged, kept) bytes per token
         if "logits" in head_outputs:
             widths["logits"] = (h_el * self.head.vocab_size, o_el * self.head.vocab_size)
@@ -552,7 +551,7 @@ class RunnerBase:
             widths["topk"] = ((8 + h_el) * k + 4, (8 + o_el) * k + 4)
         if "draft" in head_outputs and draft_ids is not None:
             widths["draft"] = (h_el * draft_ids.numel() + 1, o_el * draft_ids.numel() + 1)
-        hidden_bytes = self.hidden_size * torch.empty(0, dtype=self.dtype).element_size()
+        hidden_bytes = self.hidden_size * self.dtype.itemsize
         if with_hidden:
             widths["hidden"] = (0, hidden_bytes)  # the capture itself, already resident
         staged = sum(w for w, _ in widths.values()) + 4 * self.hidden_size + hidden_bytes
@@ -619,7 +618,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     device = torch.device(device)
     numel = math.prod(int(n) for n in shape)
     twin = _NUMPY_TWINS.get(dtype)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or twin is None or nbytes < _LAZY_ZEROS_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
     import numpy as np
