@@ -88,7 +88,6 @@ from eagle_fast.manifest import (
     read_manifest,
     temp_path_for,
 )
-from eagle_fast.runners.base import pack_by_tokens
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -329,8 +328,19 @@ def plan_batches(shard: ShardPlan, batch_tokens: int) -> list[list[int]]:
     A sample longer than the budget gets a batch of its own. Depends only on the shard.
     """
     order = sorted(range(len(shard.samples)), key=lambda i: (-shard.samples[i].length, i))
-    groups = pack_by_tokens([shard.samples[i].length for i in order], batch_tokens)
-    return [[order[j] for j in group] for group in groups]
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        n = shard.samples[i].length
+        if cur and used + n > batch_tokens:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 # ------------------------------------------------------------------------------ model

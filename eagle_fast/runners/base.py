@@ -43,7 +43,6 @@ __all__ = [
     "TargetRunner",
     "capture_plan",
     "load_config_and_head",
-    "pack_by_tokens",
     "plan_supervision_groups",
     "resolve_dtype",
     "unpad",
@@ -680,21 +679,4 @@ def plan_supervision_groups(
             pos += take
             s -= take
         groups.append(pieces)
-    return groups
-
-
-def pack_by_tokens(lens: Sequence[int], budget: int) -> list[list[int]]:
-    """Greedy packing of consecutive items: positions into `lens`, grouped so each group holds at
-    most `budget` tokens; an item longer than the budget gets a group of its own."""
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    total = 0
-    for b, n in enumerate(lens):
-        if cur and total + n > budget:
-            groups.append(cur)
-            cur, total = [], 0
-        cur.append(b)
-        total += n
-    if cur:
-        groups.append(cur)
     return groups
