@@ -384,14 +384,14 @@ class _RunningTopK:
             exp_tile[self._zero[1], self._zero[2]] = 0.0
 
 
-def _draft_log_softmax_(draft_buf: torch.Tensor, chunk: int) -> torch.Tensor:
+def _draft_log_softmax_(draft_buf: torch.Tensor, tile_elems: int) -> torch.Tensor:
     """log_softmax over dim 1 of fp32 [N, Vd], in place, through a temporary of ~one tile.
 
-    Row blocks of about N x chunk elements bound the temporary to the tile budget; torch's
-    fused log_softmax does max, sum-exp and the subtraction per row in one kernel.
+    Row blocks of about `tile_elems` elements (the call's [R, C] tile) bound the temporary;
+    torch's fused log_softmax does max, sum-exp and the subtraction per row in one kernel.
     """
     n, vd = draft_buf.shape
-    rows = max(1, min(n, (n * chunk) // max(vd, 1)))
+    rows = max(1, min(n, tile_elems // max(vd, 1)))
     tmp = torch.empty(rows, vd, dtype=draft_buf.dtype, device=draft_buf.device)
     for r0 in range(0, n, rows):
         blk = draft_buf[r0 : r0 + rows]
@@ -609,7 +609,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
         if draft_lse is not None:
             out.draft_logprobs = draft_buf.sub_(draft_lse[:, None]).to(req.out_dtype)
         else:
-            out.draft_logprobs = _draft_log_softmax_(draft_buf, C).to(req.out_dtype)
+            out.draft_logprobs = _draft_log_softmax_(draft_buf, R * C).to(req.out_dtype)
         pos = torch.searchsorted(draft_ids, run_arg).clamp_max(Vd - 1)
         out.argmax_in_draft = draft_ids[pos] == run_arg
     return out
