@@ -45,6 +45,7 @@ from eagle_fast.kernels import (
     lm_head_logits,
     reference,
 )
+from eagle_fast.kernels._common import OUT_DTYPE_FIELDS
 from eagle_fast.kernels.reference import lm_head_oracle, normalize, normalize_fp32
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -69,7 +70,6 @@ FIELDS = {
     "draft": ("draft_logprobs", "argmax_in_draft"),
 }
 FLOAT_FIELDS = ("logits", "logprobs", "lse", "topk_logprobs", "topk_tail", "draft_logprobs")
-OUT_DTYPE_FIELDS = ("logits", "logprobs", "topk_logprobs", "draft_logprobs")
 SMALL_CHUNK = 64
 SMALL_ROWS = 4
 

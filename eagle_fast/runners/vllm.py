@@ -136,7 +136,6 @@ class VLLMTargetRunner(RunnerBase):
         head_device: where the head runs (default: CUDA when available, else CPU).
         head_overrides: `TargetHead` overrides for unknown architectures (norm, eps, logit_scale, softcap).
         """
-
         from eagle_fast.head import text_config
 
         version = compat.check_version()
