@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from eagle_fast.kernels._cpu import cpu_isa, cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
@@ -72,21 +73,13 @@ def git_sha() -> str:
         return "unknown"
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def environment(device: str) -> dict:
     """What a results file records about where and when it was measured."""
     env = {
         "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else cpu_model(),
+        "cpu_isa": cpu_isa(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_threads": torch.get_num_threads(),
         "os_cpus": os.cpu_count(),
         "python": platform.python_version(),

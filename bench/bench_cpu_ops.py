@@ -3,8 +3,9 @@
 What it does
     Times, interleaved in one process (so machine load hits every variant alike):
       gemm-tile      one [1024 x 256] @ [256 x 1024] tile into an fp32 output, PyTorch's default
-                     fp32 GEMM vs oneDNN's bf16 math mode (`reference._cpu_gemm_mode`), on
-                     bf16-valued operands (where both are the same math, see reference.py)
+                     fp32 GEMM (what the head runs) vs oneDNN's bf16 math mode, on bf16-valued
+                     operands (where both are the same math, see reference.py): what the head
+                     gives up by not setting that process-global flag
       reductions     per-row passes over a [1024 x 1024] fp32 tile: max with indices
                      (`torch.max(dim=1)`), `amax`, `argmax`, and the exp pass (sub, exp, sum)
       tile-sweep     `lm_head(outputs=("draft", "argmax"))` at N=6400, H=256, V=151,936 with a
@@ -21,6 +22,7 @@ Limits
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -31,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
+from eagle_fast.kernels._cpu import bf16_gemm_is_native
 
 V, DRAFT = 151_936, 32_000
 # the last one is the pre-tiling shape: [N, C] tiles of 64 MiB (N = 6400 rows, 2560 columns)
@@ -50,20 +53,30 @@ def _interleaved(fns: dict, reps: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def gemm_tile(reps: int = 30) -> dict:
-    from eagle_fast.kernels import reference
+@contextlib.contextmanager
+def _bf16_math_mode():
+    """oneDNN's bf16 math mode for fp32 GEMMs. Process-global: fine in this single-threaded
+    bench, and the reason the head itself never sets it."""
+    mm = torch.backends.mkldnn.matmul
+    previous, mm.fp32_precision = mm.fp32_precision, "bf16"
+    try:
+        yield bf16_gemm_is_native()
+    finally:
+        mm.fp32_precision = previous
 
+
+def gemm_tile(reps: int = 30) -> dict:
     g = torch.Generator().manual_seed(0)
     y = torch.randn(1024, 256, generator=g).bfloat16().float()
     w = torch.randn(1024, 256, generator=g).bfloat16().float()
     out = torch.empty(1024, 1024)
 
     def bf16_mode():
-        with reference._cpu_gemm_mode(torch.bfloat16, "cpu"):
+        with _bf16_math_mode():
             torch.mm(y, w.t(), out=out)
 
     t = _interleaved({"fp32": lambda: torch.mm(y, w.t(), out=out), "bf16-mode": bf16_mode}, reps)
-    with reference._cpu_gemm_mode(torch.bfloat16, "cpu") as used:
+    with _bf16_math_mode() as used:
         exact = torch.mm(y, w.t())
     err = float((exact.double() - y.double() @ w.double().t()).abs().max())
     return {"seconds": t, "bf16_mode_available": bool(used), "bf16_mode_max_abs_err_vs_fp64": err,

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
 import shapes
+from eagle_fast.kernels._cpu import bf16_gemm_is_native
 from shapes import HeadShape
 
 MODES = {
@@ -96,9 +97,7 @@ ROUNDS = {"cpu": {"target": (1, 3), "sweep": (1, 2)}, "cuda": {"target": (2, 7),
 # the budget. With them (oneDNN), it is the fastest provider and is timed like the others: one
 # sample of it ranged 1.3-2.4 s across runs on the same machine.
 def _once() -> dict:
-    from eagle_fast.kernels.reference import _bf16_gemm_supported
-
-    return {"cpu": () if _bf16_gemm_supported() else ("torch-native",), "cuda": ()}
+    return {"cpu": () if bf16_gemm_is_native() else ("torch-native",), "cuda": ()}
 
 
 # --------------------------------------------------------------------------- inputs

@@ -55,6 +55,8 @@ def _env_line(env: dict) -> str:
     v = env.get("versions", {})
     vers = ", ".join(f"{k} {val}" for k, val in v.items() if val)
     dev = env.get("device_name", env.get("device"))
+    if env.get("device") == "cpu":
+        dev = f"{dev}, {env.get('cpu_isa', 'ISA not recorded')}"
     threads = f", {env['cpu_threads']} threads" if env.get("device") == "cpu" else ""
     load = (f", load average {env['load_average_start']:.1f} at the start"
             if env.get("device") == "cpu" and env.get("load_average_start") is not None else "")

@@ -47,19 +47,17 @@ Design
     accuracy even for a tail of 1e-12.
     GEMM precision by device: on CPU the chunk GEMM runs in fp32 on the upcast operands (bf16
     and fp16 convert to fp32 exactly, and every bf16/fp16 product is exact in fp32, so this is
-    the same math as a bf16 GEMM with fp32 accumulation), because PyTorch's CPU fp32 GEMM is
-    ~8x faster than its bf16 GEMM on this project's machines (175 vs 21 GFLOP/s measured on 2
-    AVX2 cores). Where the CPU has AVX512-BF16/AMX and the weight is bf16, the same fp32 GEMM
-    runs with oneDNN's bf16 math mode (`torch.backends.mkldnn.matmul.fp32_precision = "bf16"`,
-    set only for the duration of the call): oneDNN converts its fp32 operands to bf16 and
-    accumulates in fp32. Both operands hold bf16 values exactly (y is rounded to the weight
-    dtype by the semantics above), so the conversion loses nothing and the result is the same
-    bf16 x bf16 -> fp32 GEMM, 2-3x faster per tile (AMX; `python bench/bench_cpu_ops.py`,
-    "gemm-tile"). fp16 and fp32 weights never use it (fp16 -> bf16 would round). The mode
-    is process-global in PyTorch: another thread's fp32 CPU matmul that overlaps the call runs
-    in it too. On CUDA it runs in the weight dtype on tensor cores with fp32 output
-    (`torch.mm(..., out_dtype=torch.float32)`); where that overload is missing it upcasts the
-    chunk to fp32 instead (slower, same result).
+    the same math as a bf16 GEMM with fp32 accumulation), because PyTorch's CPU bf16 GEMM
+    rounds its output to bf16 and has no fp32-output form (`mm(..., out_dtype)` is CUDA-only).
+    oneDNN's bf16 math mode would run the same GEMM on AMX several times faster, but PyTorch
+    only offers it as a process-global flag (`torch.backends.mkldnn.matmul.fp32_precision`),
+    which would silently lower every other thread's fp32 matmul for the length of the call
+    (a trainer sharing the process); the head changes no global state. On CUDA it runs in the
+    weight dtype on tensor cores with fp32 output (`torch.mm(..., out_dtype=torch.float32)`);
+    where that overload is missing it upcasts the chunk to fp32 instead (slower, same result).
+    Bit-identity: a given call (inputs, tiles, thread count) is deterministic; MKL's fp32
+    GEMM (and so every tile) may round differently for another tile shape or thread count,
+    by a few fp32 ulps of the logits, so different plans agree within the oracle's tolerance.
 
 Limits
     Non-finite hidden or weight values propagate (NaN in, NaN out); nothing here checks them.
@@ -70,7 +68,6 @@ Limits
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 
@@ -204,35 +201,6 @@ def _mm_fp32_out(y: torch.Tensor, w_chunk: torch.Tensor) -> torch.Tensor:
     if y.dtype == torch.float32:
         return torch.mm(y, w_chunk.float().t())
     return torch.mm(y, w_chunk.t(), out_dtype=torch.float32)
-
-
-def _bf16_gemm_supported() -> bool:
-    """Whether oneDNN can run fp32 GEMMs with bf16 inputs in hardware here (AVX512-BF16/AMX)."""
-    try:
-        return bool(
-            torch.backends.mkldnn.is_available()
-            and torch.backends.mkldnn.enabled
-            and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-            and hasattr(torch.backends.mkldnn, "matmul")
-        )
-    except (AttributeError, RuntimeError):
-        return False
-
-
-@contextmanager
-def _cpu_gemm_mode(weight_dtype: torch.dtype, device_type: str):
-    """Within: fp32 CPU GEMMs on bf16-valued operands run as bf16 GEMMs with fp32 accumulation
-    (exact for them, see "GEMM precision by device"); restores the previous mode on exit."""
-    if device_type == "cuda" or weight_dtype != torch.bfloat16 or not _bf16_gemm_supported():
-        yield False
-        return
-    mm = torch.backends.mkldnn.matmul
-    previous = mm.fp32_precision
-    mm.fp32_precision = "bf16"
-    try:
-        yield True
-    finally:
-        mm.fp32_precision = previous
 
 
 def _empty_output(req: HeadRequest) -> HeadOutput:
@@ -534,59 +502,58 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
             starts = torch.tensor([c0 for c0, _ in chunks] + [V], device=dev)
             bounds = torch.searchsorted(draft_ids, starts).tolist()
 
-    with _cpu_gemm_mode(weight.dtype, dev.type):
-        for j, (c0, c1) in enumerate(chunks):
-            c = c1 - c0
-            ids = None if order is None else order[c0:c1]
-            w_chunk, w32 = _weight_chunk(weight, c0, c1, ids, w_buf, gather_buf)
-            local_draft = None
-            if want_draft and not draft_first and bounds[j + 1] > bounds[j]:
-                a, b = bounds[j], bounds[j + 1]
-                local_draft = draft_ids[a:b] - c0
-            into = gemm_into
-            if draft_first and c1 <= Vd:
-                into = draft_buf[:, c0:c1]
-            elif into is not None:
-                into = into[:, c0:c1]
-            for blk, (r0, r1) in enumerate(blocks):
-                r = r1 - r0
-                scratch = tile_buf[: r * c].view(r, c) if on_cpu else None
-                tile = into[r0:r1] if into is not None else scratch
-                tile = _gemm_tile(req, y[r0:r1], w_chunk, w32, tile, on_cpu)
-                if scratch is None and into is None:
-                    scratch = tile  # CUDA: the GEMM's fresh output is this tile's scratch
+    for j, (c0, c1) in enumerate(chunks):
+        c = c1 - c0
+        ids = None if order is None else order[c0:c1]
+        w_chunk, w32 = _weight_chunk(weight, c0, c1, ids, w_buf, gather_buf)
+        local_draft = None
+        if want_draft and not draft_first and bounds[j + 1] > bounds[j]:
+            a, b = bounds[j], bounds[j + 1]
+            local_draft = draft_ids[a:b] - c0
+        into = gemm_into
+        if draft_first and c1 <= Vd:
+            into = draft_buf[:, c0:c1]
+        elif into is not None:
+            into = into[:, c0:c1]
+        for blk, (r0, r1) in enumerate(blocks):
+            r = r1 - r0
+            scratch = tile_buf[: r * c].view(r, c) if on_cpu else None
+            tile = into[r0:r1] if into is not None else scratch
+            tile = _gemm_tile(req, y[r0:r1], w_chunk, w32, tile, on_cpu)
+            if scratch is None and into is None:
+                scratch = tile  # CUDA: the GEMM's fresh output is this tile's scratch
 
-                rmax, rsum, rarg = run_max[r0:r1], run_sum[r0:r1], run_arg[r0:r1]
-                new_max, tile_max = _update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
+            rmax, rsum, rarg = run_max[r0:r1], run_sum[r0:r1], run_arg[r0:r1]
+            new_max, tile_max = _update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
 
-                if logits_out is not None and logits_out is not gemm_into:
-                    logits_out[r0:r1, c0:c1].copy_(tile)
-                if logprobs32 is not None and logprobs32 is not gemm_into:
-                    logprobs32[r0:r1, c0:c1].copy_(tile)
-                if local_draft is not None:
-                    draft_buf[r0:r1, a:b] = tile.index_select(1, local_draft)
-                topk = topks[blk] if topks is not None else None
-                if topk is not None:
-                    topk.update(tile, c0, tile_max)
+            if logits_out is not None and logits_out is not gemm_into:
+                logits_out[r0:r1, c0:c1].copy_(tile)
+            if logprobs32 is not None and logprobs32 is not gemm_into:
+                logprobs32[r0:r1, c0:c1].copy_(tile)
+            if local_draft is not None:
+                draft_buf[r0:r1, a:b] = tile.index_select(1, local_draft)
+            topk = topks[blk] if topks is not None else None
+            if topk is not None:
+                topk.update(tile, c0, tile_max)
 
-                # This tile's mass outside the top-k candidates, relative to the new running
-                # max, in the scratch tile (a tile that is an output stays intact).
-                if scratch is None:
-                    scratch = torch.empty_like(tile)
-                if scratch is tile:
-                    scratch.sub_(new_max[:, None])
-                else:
-                    torch.sub(tile, new_max[:, None], out=scratch)
-                scratch.exp_()
-                if topk is not None:
-                    topk.zero_candidates(scratch)
-                rsum.mul_(torch.exp((rmax - new_max).double())).add_(scratch.sum(dim=1))
-                if topk is not None and topk.evicted is not None and topk.evicted.shape[1]:
-                    rsum += torch.exp(topk.evicted.double() - new_max.double()[:, None]).sum(1)
-                rmax.copy_(new_max)
-                del tile, scratch  # CUDA: free this tile before the next GEMM allocates its own
-            if draft_first and c1 == Vd:  # the draft range is complete: its logsumexp
-                draft_lse = (run_max.double() + torch.log(run_sum)).float()
+            # This tile's mass outside the top-k candidates, relative to the new running
+            # max, in the scratch tile (a tile that is an output stays intact).
+            if scratch is None:
+                scratch = torch.empty_like(tile)
+            if scratch is tile:
+                scratch.sub_(new_max[:, None])
+            else:
+                torch.sub(tile, new_max[:, None], out=scratch)
+            scratch.exp_()
+            if topk is not None:
+                topk.zero_candidates(scratch)
+            rsum.mul_(torch.exp((rmax - new_max).double())).add_(scratch.sum(dim=1))
+            if topk is not None and topk.evicted is not None and topk.evicted.shape[1]:
+                rsum += torch.exp(topk.evicted.double() - new_max.double()[:, None]).sum(1)
+            rmax.copy_(new_max)
+            del tile, scratch  # CUDA: free this tile before the next GEMM allocates its own
+        if draft_first and c1 == Vd:  # the draft range is complete: its logsumexp
+            draft_lse = (run_max.double() + torch.log(run_sum)).float()
     tile_buf = w_buf = gather_buf = None  # free the chunk buffers before the draft normalisation
 
     max64 = run_max.double()
@@ -681,15 +648,14 @@ def lm_head_logits_torch(req: HeadRequest, pieces: list[torch.Tensor]) -> None:
     starts = [0]
     for piece in pieces:
         starts.append(starts[-1] + piece.shape[0])
-    with _cpu_gemm_mode(req.weight.dtype, req.hidden.device.type):
-        for c0 in range(0, req.vocab, C):
-            c1 = min(c0 + C, req.vocab)
-            w_chunk, w32 = _weight_chunk(req.weight, c0, c1, None, w_buf)
-            for piece, p0 in zip(pieces, starts):
-                for r0 in range(0, piece.shape[0], R):
-                    r1 = min(r0 + R, piece.shape[0])
-                    tile = piece[r0:r1, c0:c1]
-                    _gemm_tile(req, y[p0 + r0 : p0 + r1], w_chunk, w32, tile, on_cpu)
+    for c0 in range(0, req.vocab, C):
+        c1 = min(c0 + C, req.vocab)
+        w_chunk, w32 = _weight_chunk(req.weight, c0, c1, None, w_buf)
+        for piece, p0 in zip(pieces, starts):
+            for r0 in range(0, piece.shape[0], R):
+                r1 = min(r0 + R, piece.shape[0])
+                tile = piece[r0:r1, c0:c1]
+                _gemm_tile(req, y[p0 + r0 : p0 + r1], w_chunk, w32, tile, on_cpu)
 
 
 # ----------------------------------------------------------------------------------------------
