@@ -28,7 +28,9 @@ examples:
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-len", type=int, default=2048, help="longest sample in tokens (default 2048)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="longest sample in tokens (default 2048, or the model's max_position_embeddings - 1 "
+                        "when that is smaller)")
     p.add_argument("--overlong", choices=("truncate", "skip"), default="truncate",
                    help="what to do with longer samples (default truncate; the count is reported)")
 

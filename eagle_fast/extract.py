@@ -4,10 +4,12 @@ Stages
   1. Read and validate every line of the jsonl (input_ids [+ loss_mask] | text | chat
      `messages` | ShareGPT `conversations`); the first bad line stops the run with
      file:line and the reason, before anything is written.
-  2. Tokenise with the model's tokenizer. Chat messages go through the model's own chat
-     template; the loss mask covers assistant tokens only (the template's {% generation %}
-     blocks when it has them, else each assistant turn's rendered span). Over-long samples
-     are truncated or skipped (`overlong`), and counted.
+  2. Tokenise with the model's tokenizer (loaded only if a line needs it: input_ids lines
+     don't). Chat messages go through the model's own chat template; the loss mask covers
+     assistant tokens only (the template's {% generation %} blocks when it has them, else
+     each assistant turn's rendered span). Samples longer than `max_len` (default: 2048,
+     capped to fit the model, see `resolve_max_len`) are truncated or skipped (`overlong`),
+     and counted.
   3. Plan: kept samples, in file order, form the global sample index; shard g holds samples
      [g*S, (g+1)*S). `--shard I/N` takes a contiguous block of shards, so any split of nodes
      produces the same shards as one run. Within a shard, samples are sorted by length and
@@ -47,7 +49,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +221,57 @@ def load_tokenizer(model: str):
         ) from None
 
 
+# Files a checkpoint's tokenizer may consist of (model_identity hashes them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+class LazyTokenizer:
+    """The checkpoint's tokenizer, loaded on first use: input_ids lines need none."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._tok = None
+
+    @property
+    def shipped(self) -> bool:
+        """Whether the checkpoint has tokenizer files at all."""
+        return any((Path(self.model) / name).is_file() for name in TOKENIZER_FILES)
+
+    def get(self, where: str | None = None):
+        """The tokenizer; a failure names `where` ("file:line", the line that needs it) if given."""
+        if self._tok is None:
+            try:
+                self._tok = load_tokenizer(self.model)
+            except UserError as exc:
+                if where is None:
+                    raise
+                raise UserError(
+                    f"{where}: this line needs the model's tokenizer, and there is none: {exc.cause}",
+                    f"add the tokenizer files (tokenizer.json, tokenizer_config.json) to {self.model}, "
+                    "or give pre-tokenized input_ids lines",
+                ) from None
+        return self._tok
+
+
+def special_token_ids(config_ids: dict[str, list[int]], tokens: LazyTokenizer) -> dict[str, list[int]]:
+    """bos / eos / pad / unk ids: the tokenizer's when the checkpoint ships one, else config.json's.
+
+    The tokenizer wins because NeMo pads with `tokenizer.pad_token_id` (and configs often
+    name no pad, or several eos ids); `config_ids` is `ModelInfo.config_token_ids`.
+    """
+    if not tokens.shipped:
+        return {key: list(config_ids.get(key, [])) for key in SPECIAL_TOKEN_KEYS}
+    tok = tokens.get()
+    return {key: [] if getattr(tok, key, None) is None else [int(getattr(tok, key))] for key in SPECIAL_TOKEN_KEYS}
+
+
+def pad_token_id(specials: dict[str, list[int]]) -> int:
+    """The pad id (NeMo's padding of input_ids to seq_length): pad, else the first eos, else 0."""
+    return (specials["pad_token_id"] or specials["eos_token_id"] or [0])[0]
+
+
 def _chat_template(tok) -> str | None:
     t = getattr(tok, "chat_template", None)
     if isinstance(t, dict):
@@ -232,10 +285,12 @@ def _render_ids(tok, messages: list[dict], **kw) -> list[int]:
 
 
 def tokenize_record(rec: Record, tok, path: str) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) for one record."""
+    """(input_ids, loss_mask) for one record; `tok` is a tokenizer or a LazyTokenizer."""
     if rec.kind == "input_ids":
         ids = list(rec.value)
         return ids, list(rec.loss_mask) if rec.loss_mask is not None else [1] * len(ids)
+    if isinstance(tok, LazyTokenizer):
+        tok = tok.get(f"{path}:{rec.line}")
     if rec.kind == "text":
         ids = list(tok(rec.value)["input_ids"])
         return ids, [1] * len(ids)
@@ -356,6 +411,7 @@ class ModelInfo:
     max_positions: int | None
     architectures: list[str]
     identity: dict
+    config_token_ids: dict[str, list[int]] = field(default_factory=dict)  # SPECIAL_TOKEN_KEYS -> ids
 
 
 def _text_config(cfg: dict) -> dict:
@@ -389,10 +445,7 @@ def model_identity(root: Path) -> dict:
     return {
         "config_sha256": _hash_files(root, ["config.json"]),
         "weights_sha256": wh.hexdigest(),
-        "tokenizer_sha256": _hash_files(root, [
-            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-            "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-        ]),
+        "tokenizer_sha256": _hash_files(root, list(TOKENIZER_FILES)),
     }
 
 
@@ -428,7 +481,33 @@ def load_model_info(model: str) -> ModelInfo:
         max_positions=text.get("max_position_embeddings"),
         architectures=list(cfg.get("architectures") or []),
         identity=model_identity(root),
+        config_token_ids={key: _config_ids(text.get(key, cfg.get(key))) for key in SPECIAL_TOKEN_KEYS},
     )
+
+
+def _config_ids(value: Any) -> list[int]:
+    values = value if isinstance(value, list) else [value]
+    return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+DEFAULT_MAX_LEN = 2048
+
+
+def resolve_max_len(max_len: int | None, max_positions: int | None) -> int:
+    """The longest sample to keep: `max_len` checked against the model, or the default.
+
+    The default is min(DEFAULT_MAX_LEN, max_positions - 1): vLLM generates one token past the
+    prompt, so default_runner_factory sizes its engine max_model_len = longest + 1, and that
+    must fit the model. An explicit value may take every position (the hf engine runs it;
+    `prepare` refuses a vLLM run whose longest sample does).
+    """
+    if max_len is None:
+        return min(DEFAULT_MAX_LEN, int(max_positions) - 1) if max_positions else DEFAULT_MAX_LEN
+    if max_positions and max_len > int(max_positions):
+        raise UserError(f"--max-len {max_len} exceeds the model's max_position_embeddings {max_positions}",
+                        f"pass --max-len {max_positions} or less, or leave it out (default "
+                        f"{resolve_max_len(None, max_positions)} for this model)")
+    return max_len
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -584,7 +663,7 @@ class ExtractConfig:
     supervision: str | None = None
     k: int = 64
     draft_vocab: str | None = None
-    max_len: int = 2048
+    max_len: int | None = None   # None: resolve_max_len's default for the model
     overlong: str = "truncate"
     batch_tokens: int = 16384
     dtype: str = "auto"       # bf16 | fp16 | fp32 | auto (the checkpoint's)
@@ -741,21 +820,19 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     if kind == "topk" and not 1 <= cfg.k <= (draft.size if (draft is not None and cfg.layout == "nemo")
                                              else info.vocab_size):
         raise UserError(f"--k {cfg.k} is out of range for this vocabulary", "pass 1 <= k <= vocab size")
-    if cfg.max_len > (info.max_positions or cfg.max_len):
-        raise UserError(f"--max-len {cfg.max_len} exceeds the model's max_position_embeddings "
-                        f"{info.max_positions}", f"pass --max-len {info.max_positions} or less")
+    cfg = replace(cfg, max_len=resolve_max_len(cfg.max_len, info.max_positions))
     if draft is not None and not (kind == "draft" or cfg.layout == "nemo"):
         raise UserError(f"--draft-vocab only applies to --supervision draft (or --format nemo), not {kind}",
                         "drop --draft-vocab, or use --supervision draft")
     engine = resolve_engine(cfg.engine)
-    tok = load_tokenizer(cfg.model)
+    tok = LazyTokenizer(cfg.model)
     plan = plan_inputs(cfg.data, tok, info.vocab_size, max_len=cfg.max_len, overlong=cfg.overlong)
     longest = max(s.length for s in plan.samples)
     if engine == "vllm" and info.max_positions and longest >= info.max_positions:
         raise UserError(f"a sample has {longest} tokens; vLLM needs one position beyond the longest prompt "
                         f"and this model has {info.max_positions}", f"pass --max-len {info.max_positions - 1}")
     shards = plan_shards(plan.samples, cfg.shard_size)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    pad_id = pad_token_id(special_token_ids(info.config_token_ids, tok))
     spec = LayoutSpec(
         layout=cfg.layout, kind=kind, k=cfg.k if kind == "topk" else 0, hidden_size=info.hidden_size,
         num_aux=3, vocab_size=info.vocab_size,

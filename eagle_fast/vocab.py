@@ -3,8 +3,9 @@
 EAGLE-3 drafts over a subset of the target vocabulary. We count token ids over the
 supervised (loss-masked) positions of a dataset, exactly as SpecForge, vLLM speculators and
 NeMo AutoModel do, and keep the `size` most frequent (ties to the lower id). The tokenizer's
-bos / eos / pad / unk ids are always kept, as NeMo AutoModel's `build_eagle3_token_mapping`
-does (the draft must be able to emit end-of-turn). If fewer distinct tokens were seen, the
+bos / eos / pad / unk ids (config.json's, for a checkpoint without tokenizer files) are
+always kept, as NeMo AutoModel's `build_eagle3_token_mapping` does (the draft must be able
+to emit end-of-turn). If fewer distinct tokens were seen, the
 lowest unseen ids fill the rest. The kept ids are sorted ascending, then stored as
 
   d2t  int64 [Vd]  offset form: target_id = draft_id + d2t[draft_id]   (vLLM, SpecForge)
@@ -189,16 +190,23 @@ def load_draft_vocab(path: str | os.PathLike, vocab_size: int | None = None) -> 
     return DraftVocab(ids, vocab_size if vocab_size is not None else int(ids[-1]) + 1)
 
 
-def build_vocab(model: str, data: str, size: int, out: str, *, max_len: int = 2048,
+def build_vocab(model: str, data: str, size: int, out: str, *, max_len: int | None = None,
                 overlong: str = "truncate", log=print) -> DraftVocab:
     """`eagle-fast vocab`: tokenise `data` the way `extract` does, count, select, save."""
-    from eagle_fast.extract import load_model_info, load_tokenizer, plan_inputs
+    from eagle_fast.extract import (
+        LazyTokenizer,
+        load_model_info,
+        plan_inputs,
+        resolve_max_len,
+        special_token_ids,
+    )
 
     info = load_model_info(model)
-    tok = load_tokenizer(model)
-    plan = plan_inputs(data, tok, info.vocab_size, max_len=max_len, overlong=overlong)
+    tok = LazyTokenizer(model)
+    plan = plan_inputs(data, tok, info.vocab_size, max_len=resolve_max_len(max_len, info.max_positions),
+                       overlong=overlong)
     counts = count_tokens(((s.input_ids, s.loss_mask) for s in plan.samples), info.vocab_size)
-    specials = [getattr(tok, n, None) for n in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")]
+    specials = [t for ids in special_token_ids(info.config_token_ids, tok).values() for t in ids]
     vocab = select_draft_vocab(counts, size, specials)
     save_draft_vocab(out, vocab)
     cov = "n/a" if vocab.coverage is None else f"{100 * vocab.coverage:.2f}%"

@@ -31,6 +31,15 @@ def _require_gpu() -> bool:
     return os.environ.get("EAGLE_FAST_REQUIRE_GPU", "") not in ("", "0")
 
 
+def pytest_report_header(config):
+    # CI logs say which CPU the run held for: results may differ in the last bits between ISAs.
+    import torch
+    from eagle_fast.kernels._cpu import cpu_isa, cpu_model
+
+    return (f"cpu: {cpu_model()}; ISA {cpu_isa()}; "
+            f"torch CPU capability {torch.backends.cpu.get_cpu_capability()}")
+
+
 def pytest_collection_modifyitems(config, items):
     # Without CUDA, gpu tests are skipped with the reason shown; with EAGLE_FAST_REQUIRE_GPU=1
     # they are left in place so pytest_runtest_setup fails them (a GPU runner without a GPU
@@ -71,6 +80,31 @@ def tiny_qwen3(tiny_dir):
         arch="qwen3", hidden_size=64, head_dim=32, intermediate_size=160, tie_word_embeddings=True, seed=2
     )
     return build_tiny_checkpoint(tiny_dir / "qwen3", spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_short_ctx(tiny_dir):
+    """`tiny_llama`'s shape with max_position_embeddings 512 (below the 2048 default max len)."""
+    from eagle_fast.tiny import TinySpec, build_tiny_checkpoint
+
+    spec = TinySpec(arch="llama", tie_word_embeddings=False, seed=1, max_position_embeddings=512)
+    return build_tiny_checkpoint(tiny_dir / "llama_512", spec)
+
+
+@pytest.fixture(scope="session")
+def tiny_no_tokenizer(tiny_dir, tiny_llama):
+    """`tiny_llama` without its tokenizer files (config.json keeps pad 0 / eos 2): ids-only data."""
+    import shutil
+
+    from eagle_fast.extract import TOKENIZER_FILES
+
+    out = tiny_dir / "llama_no_tokenizer"
+    if not out.exists():
+        shutil.copytree(tiny_llama, out)
+        for name in TOKENIZER_FILES:
+            (out / name).unlink(missing_ok=True)
+    assert not list(out.glob("tokenizer*")), "a tokenizer file survived: TOKENIZER_FILES is incomplete"
+    return out
 
 
 # -- runners (issue 4) -------------------------------------------------------------------------

@@ -191,3 +191,32 @@ def test_dtype_auto_follows_the_checkpoint(tiny_llama, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert resolve_dtype(str(tmp_path), "auto") == "bf16" and resolve_dtype(str(tmp_path), "fp16") == "fp16"
     assert torch.float32  # torch imported for the fixture models
+
+
+def test_default_max_len_fits_a_short_context_model(tmp_path, capsys, tiny_short_ctx):
+    from eagle_fast.dataset import Eagle3Dataset
+    from eagle_fast.vocab import load_draft_vocab
+
+    # 512 positions: the default max len is 511 (vLLM generates one token past the prompt). The
+    # long line's tokens past 511 are all id 1000: counted by `vocab` only if it truncates wrongly.
+    long = {"input_ids": list(range(3, 514)) + [1000] * 89}
+    data = write_jsonl(tmp_path / "d.jsonl", chat_lines(4) + [json.dumps(long)])
+    out = tmp_path / "out"
+    base = ["extract", "--model", tiny_short_ctx, "--data", data, "--engine", "hf", "--k", "4"]
+    code, _, err = run_main(capsys, *base, "--out", out)
+    assert code == 0, err
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["settings"]["max_len"] == 511 and m["data"]["truncated"] == 1
+    ds = Eagle3Dataset(out)
+    assert max(ds.length(i) for i in range(len(ds))) == 511
+    code, stdout, _ = run_main(capsys, "inspect", out)
+    assert code == 0 and "1 truncated, 0 skipped at max_len 511" in stdout
+
+    code, _, err = run_main(capsys, *base, "--out", tmp_path / "o", "--max-len", "1024")
+    assert code == 2 and "--max-len 1024 exceeds the model's max_position_embeddings 512" in err
+    assert "fix: pass --max-len 512 or less" in err and not (tmp_path / "o").exists()
+
+    code, _, err = run_main(capsys, "vocab", "--model", tiny_short_ctx, "--data", data, "--size", "64",
+                            "--out", tmp_path / "v.pt")
+    assert code == 0, err
+    assert 1000 not in load_draft_vocab(tmp_path / "v.pt", 1031).ids.tolist()

