@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test bench lint lock clean
+.PHONY: venv demo test test-avx2 bench lint lock clean
 
 venv: $(STAMP)
 
@@ -28,8 +28,24 @@ $(STAMP): $(LOCK) pyproject.toml
 demo: $(STAMP)
 	$(BIN)/eagle-fast demo
 
+# `make test` runs the suite, then, on a CPU with AVX-512, the head, runner and pipeline tests
+# once more as an AVX2-only CPU runs them (`make test-avx2`: torch's kernels, oneDNN and MKL
+# capped to AVX2 by the switches in kernels/_cpu.py), so a change that holds on one ISA only
+# fails here too. On an AVX2-only CPU the caps would change nothing.
+HAS_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo 1)
+ISA_TESTS  := tests/test_lm_head.py tests/test_runner_hf.py tests/test_runner_vllm.py \
+              tests/test_e2e_vllm.py tests/test_extract.py
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+ifeq ($(HAS_AVX512),1)
+	@$(MAKE) --no-print-directory test-avx2
+endif
+
+test-avx2: $(STAMP)
+	env $$($(BIN)/python -c "from eagle_fast.kernels._cpu import ISA_CAPS; \
+	  print(' '.join(f'{k}={v}' for k, v in ISA_CAPS.items()))") \
+	  $(BIN)/python -m pytest -q $(ISA_TESTS)
 
 # pytest-benchmark over bench/bench_*.py (head, runner, pipeline), then bench/RESULTS.md and the
 # plots from bench/results/*.json; see bench/README.md. About 6-10 minutes on 2 cores.

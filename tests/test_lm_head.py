@@ -28,6 +28,7 @@ Limits: the CPU suite cannot see GPU-only behaviour (tensor-core rounding, memor
 from __future__ import annotations
 
 import math
+import os
 import threading
 import zlib
 from contextlib import contextmanager
@@ -1194,3 +1195,17 @@ def test_lm_head_logits_rejects_bad_out(bad, match, gen):
         lm_head_logits(hidden, weight, norm_weight, out=bad())
     with pytest.raises(ValueError, match="hidden size mismatch"):
         lm_head_logits(hidden[:, :16], weight, norm_weight)
+
+
+def test_avx2_caps_take_effect():
+    # `make test-avx2` relies on these switches: under them torch dispatches its AVX2 kernels
+    # whatever the hardware has (oneDNN and MKL read theirs at load time the same way).
+    import subprocess
+    import sys
+
+    from eagle_fast.kernels._cpu import ISA_CAPS
+
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **ISA_CAPS},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "AVX2"

@@ -121,7 +121,11 @@ def test_supervision_equals_head_over_transformers_logits(runner):
     assert isinstance(sup, Supervision)
     ref = reference_supervision(logits, mask, k=5, draft_ids=draft_ids)
     check_supervision(sup, ref, mask, atol=1e-5, rtol=1e-5, name="hf supervision")
-    assert torch.equal(sup.aux_hidden_states, aux) and sup.attention_mask is mask
+    # supervision captures rows through `capture` (sorted by length, repadded), another batching
+    # than forward_eagle3's: the same values, rounded alike only where the CPU's GEMM is
+    # shape-independent (not MKL's on AVX2)
+    assert_close(sup.aux_hidden_states, aux, atol=1e-5, rtol=1e-5, name="aux")
+    assert sup.attention_mask is mask
     assert (
         sup.hidden.shape == (*mask.shape, runner.hidden_size) and not sup.hidden[~mask.bool()].any()
     )
@@ -150,7 +154,10 @@ def test_supervision_out_dtype_and_groups_equal_the_head(hf_llama, out_dtype, pl
     # The runner sends rows through the head in token groups (pieces of rows, shrinking towards
     # the end) and, for 16-bit outputs, rounds the head's fp32 results while copying them into
     # the [B, S, ...] fields (top-k excepted): every field must equal the head's own output for
-    # the non-pad rows, bit for bit, and be zero at pad positions, whatever the grouping.
+    # the non-pad rows and be zero at pad positions. Bit for bit with one group (the same head
+    # call); with other groupings the head's GEMM tiles have other shapes, which MKL's fp32
+    # GEMM on AVX2 rounds differently, so floats agree to a few ulps of the field's dtype (and
+    # ids exactly).
     import contextlib
     from unittest import mock
 
@@ -181,10 +188,15 @@ def test_supervision_out_dtype_and_groups_equal_the_head(hf_llama, out_dtype, pl
         if "_SUPERVISION_STAGING_BYTES" in plan:  # never growing towards the end
             assert calls[1:] == sorted(calls[1:], reverse=True) and calls[-1] == 16, calls
             assert len(calls) > 2 and calls[0] >= calls[1], calls
+        one_call = len(calls) == 1
         for name, value in want.as_dict().items():
             got = getattr(sup, name)
             assert got.dtype == value.dtype, (outputs, name, got.dtype)
-            assert torch.equal(got[keep], value), (outputs, name)
+            if one_call or not value.is_floating_point():
+                assert torch.equal(got[keep], value), (outputs, name)
+            else:
+                ulps = 4 * torch.finfo(value.dtype).eps
+                assert_close(got[keep], value, atol=ulps, rtol=ulps, name=f"{outputs} {name}")
             assert not got[~keep].any(), (outputs, name, "pad positions must be zero")
 
 
