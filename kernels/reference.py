@@ -45,16 +45,15 @@ Design
     back), never as 1 - sum(top-k probabilities): when the top-k holds almost all the mass, that
     difference cancels to noise (~k * 6e-8 absolute), while a direct sum keeps fp32 relative
     accuracy even for a tail of 1e-12.
-    GEMM precision by device: on CPU the chunk GEMM runs in fp32 on the upcast operands (bf16
-    and fp16 convert to fp32 exactly, and every bf16/fp16 product is exact in fp32, so this is
-    the same math as a bf16 GEMM with fp32 accumulation), because PyTorch's CPU bf16 GEMM
-    rounds its output to bf16 and has no fp32-output form (`mm(..., out_dtype)` is CUDA-only).
-    oneDNN's bf16 math mode would run the same GEMM on AMX several times faster, but PyTorch
-    only offers it as a process-global flag (`torch.backends.mkldnn.matmul.fp32_precision`),
-    which would silently lower every other thread's fp32 matmul for the length of the call
-    (a trainer sharing the process); the head changes no global state. On CUDA it runs in the
-    weight dtype on tensor cores with fp32 output (`torch.mm(..., out_dtype=torch.float32)`);
-    where that overload is missing it upcasts the chunk to fp32 instead (slower, same result).
+    GEMM precision by device: every GEMM is y @ W.T with the operands in the weight dtype and
+    fp32 accumulation and output, never rounded to 16 bits. CPU with bf16 weights on
+    AVX512-BF16/AMX: MKL's bf16 GEMM with fp32 output (`_cpu.gemm_bf16_f32`). Other CPUs and
+    dtypes: an fp32 GEMM on the operands upcast chunk by chunk (bf16/fp16 convert to fp32
+    exactly and their products are exact in fp32, so it is the same math). PyTorch's own bf16
+    CPU GEMM rounds its output to bf16, and oneDNN's bf16 math mode is a process-global flag
+    that would lower every other thread's fp32 matmul during the call: the head changes no
+    global state. CUDA: tensor cores with fp32 output (`torch.mm(..., out_dtype=torch.float32)`),
+    or, where that overload is missing, the upcast chunk (slower, same result).
     Bit-identity: a given call (inputs, tiles, thread count) is deterministic; MKL's fp32
     GEMM (and so every tile) may round differently for another tile shape or thread count,
     by a few fp32 ulps of the logits, so different plans agree within the oracle's tolerance.
@@ -72,6 +71,7 @@ import math
 import torch
 
 from ._common import HeadOutput, HeadRequest
+from ._cpu import bf16_gemm_available, gemm_bf16_f32
 
 # CPU tiling: a [R, C] fp32 logits tile of 4 MiB (R = 1024 rows at C = 1024) and an fp32
 # weight chunk [C, H] of at most 4 MiB (C = 1024 columns up to H = 1024). Time barely depends on
@@ -372,10 +372,11 @@ def _draft_log_softmax_(draft_buf: torch.Tensor, tile_elems: int) -> torch.Tenso
 def _gemm_operands(req: HeadRequest, k: int):
     """`(y, on_cpu, C, R, w_buf)`: the GEMM's left operand and the tiling of one head call.
 
-    y is the normalised activation (`normalize`), fp32 on CPU (the GEMM runs on exactly-upcast
-    operands, see "GEMM precision by device") and where CUDA lacks `mm(..., out_dtype)`; C and
-    R come from `choose_chunk` / `choose_row_block`; w_buf is the reused fp32 buffer for one
-    upcast weight chunk (CPU with 16-bit weights, else None).
+    y is the normalised activation (`normalize`) in the weight dtype, upcast to fp32 where the
+    GEMM runs on exactly-upcast operands (see "GEMM precision by device"): on CPU unless MKL's
+    bf16 GEMM serves a bf16 weight, and where CUDA lacks `mm(..., out_dtype)`; C and R come
+    from `choose_chunk` / `choose_row_block`; w_buf is the reused fp32 buffer for one upcast
+    weight chunk (CPU with 16-bit weights on the fp32 GEMM, else None).
     """
     hidden, weight = req.hidden, req.weight
     dev = hidden.device
@@ -386,9 +387,10 @@ def _gemm_operands(req: HeadRequest, k: int):
     R = choose_row_block(N, C, dev.type)
     w_buf = None
     if on_cpu:
-        y = y.float()
-        if weight.dtype != torch.float32:
-            w_buf = torch.empty(C * H, dtype=torch.float32, device=dev)
+        if not (weight.dtype == torch.bfloat16 and bf16_gemm_available()):
+            y = y.float()  # else y stays bf16 (and contiguous, as `normalize` makes it)
+            if weight.dtype != torch.float32:
+                w_buf = torch.empty(C * H, dtype=torch.float32, device=dev)
     elif y.dtype != torch.float32 and not _mm_out_dtype_works(y):
         y = y.float()  # same math through exactly-upcast operands, one chunk of W at a time
     return y, on_cpu, C, R, w_buf
@@ -416,7 +418,9 @@ def _weight_chunk(weight, c0: int, c1: int, ids, w_buf, gather_buf=None):
 def _gemm_tile(req: HeadRequest, y_rows, w_chunk, w32, tile, on_cpu: bool) -> torch.Tensor:
     """Logits of one [rows, chunk] tile: GEMM (into `tile` when given), then scale and softcap
     in place. On CUDA with `tile=None` the GEMM's own output is the tile."""
-    if on_cpu:
+    if on_cpu and y_rows.dtype == torch.bfloat16:
+        gemm_bf16_f32(y_rows, w_chunk, tile)
+    elif on_cpu:
         torch.mm(y_rows, w32.t(), out=tile)
     elif tile is None:
         tile = _mm_fp32_out(y_rows, w_chunk)

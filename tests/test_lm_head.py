@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from _assert import assert_close, assert_ids_equal
 from eagle_fast.kernels import (
     HeadOutput,
+    _cpu,
     draft_ids_from_d2t,
     draft_ids_from_t2d,
     lm_head,
@@ -784,13 +785,15 @@ def test_cpu_head_changes_no_global_state(dtype, gen):
     hidden, weight, norm_weight = make_inputs(gen, 40, 64, 3000, dtype)
     before = _global_torch_settings()
     seen = []
-    real_mm = torch.mm
 
-    def spy(*a, **kw):
-        seen.append(_global_torch_settings())
-        return real_mm(*a, **kw)
+    def spy(real):
+        def gemm(*a, **kw):
+            seen.append(_global_torch_settings())
+            return real(*a, **kw)
+        return gemm
 
-    with mock.patch.object(torch, "mm", spy):
+    with mock.patch.object(torch, "mm", spy(torch.mm)), \
+         mock.patch.object(reference, "gemm_bf16_f32", spy(reference.gemm_bf16_f32)):
         lm_head(hidden, weight, norm_weight, outputs=ALL_OUTPUTS, k=8,
                 draft_ids=torch.arange(0, 3000, 7), impl="torch")
         lm_head_logits(hidden, weight, norm_weight)
@@ -823,6 +826,47 @@ def test_cpu_head_leaves_another_threads_fp32_matmul_alone(gen):
         stop.set()
         thread.join()
     assert worst[0] < 1e-5, f"a concurrent fp32 matmul lost precision: relative error {worst[0]:.2e}"
+
+
+needs_bf16_gemm = pytest.mark.skipif(
+    not _cpu.bf16_gemm_available(), reason="no hardware bf16 GEMM here (AVX2, or capped)")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (37, 300, 48), (130, 1025, 257)])
+def test_mkl_bf16_gemm_is_the_fp32_gemm_of_bf16_values(M, N, K, gen):
+    a = torch.randn(M, K, generator=gen).bfloat16()
+    b = torch.randn(N + 3, K, generator=gen).bfloat16()[2 : N + 2]  # a row window of b
+    wide = torch.full((M, N + 11), float("nan"))
+    out = _cpu.gemm_bf16_f32(a, b, wide[:, 5 : N + 5])  # a column window: row stride N + 11
+    truth = a.double() @ b.double().t()
+    assert_close(out, truth, atol=K * 2e-7, rtol=1e-6, name="bf16 gemm vs float64")
+    assert wide[:, :5].isnan().all() and wide[:, N + 5 :].isnan().all(), "wrote outside its window"
+
+
+@needs_bf16_gemm
+def test_mkl_bf16_gemm_refuses_what_it_cannot_run():
+    a, b = torch.ones(4, 8, dtype=torch.bfloat16), torch.ones(6, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bf16 a, b and fp32 out"):
+        _cpu.gemm_bf16_f32(a.float(), b, torch.empty(4, 6))
+    with pytest.raises(ValueError, match=r"a \(4, 8\) @ b \(6, 8\).T -> out \(4, 5\)"):
+        _cpu.gemm_bf16_f32(a, b, torch.empty(4, 5))
+    with pytest.raises(ValueError, match="out must be a CPU tensor with unit column stride"):
+        _cpu.gemm_bf16_f32(a, b, torch.empty(6, 4).t())
+
+
+def test_cpu_head_takes_the_bf16_gemm_where_the_hardware_has_one(gen):
+    # bf16 weights run MKL's bf16 GEMM on AVX512-BF16/AMX (uncapped) and the fp32 GEMM on
+    # upcast operands elsewhere; fp16 and fp32 weights always take the fp32 GEMM.
+    calls = []
+    real = reference.gemm_bf16_f32
+    with mock.patch.object(reference, "gemm_bf16_f32", lambda *a: calls.append(1) or real(*a)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            calls.clear()
+            hidden, weight, norm_weight = make_inputs(gen, 8, 32, 300, dtype)
+            lm_head(hidden, weight, norm_weight, impl="torch")
+            expect = dtype == torch.bfloat16 and _cpu.bf16_gemm_available()
+            assert bool(calls) == expect, (dtype, len(calls), _cpu.cpu_isa())
 
 
 def test_auto_runs_torch_on_cpu(gen):
