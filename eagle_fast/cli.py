@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", required=True, help="jsonl: one of messages | text | input_ids (+loss_mask) per line")
     p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
-                   help="vllm (default when installed) or hf (transformers)")
+                   help="vllm (default when installed and it can capture the model) or hf (transformers)")
     p.add_argument("--aux-layers", default=None, metavar="I,J,K",
                    help="three decoder-layer indices (NeMo AutoModel's convention); default low/mid/high")
     p.add_argument("--supervision", choices=("draft", "topk", "lse", "logits", "hidden"), default=None,

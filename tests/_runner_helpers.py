@@ -95,6 +95,20 @@ def engine_processes() -> set[int]:
     return pids
 
 
+def zombie_children() -> set[int]:
+    """PIDs of this process's direct children that exited but were never reaped."""
+    import psutil
+
+    pids = set()
+    for child in psutil.Process().children():
+        try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return pids
+
+
 def wait_gone(pids: set[int], timeout_s: float = 15.0) -> set[int]:
     """The subset of `pids` still alive after waiting up to `timeout_s`."""
     import time

@@ -135,3 +135,19 @@ def test_all_lists_the_lazy_exports():
 
     assert sorted(eagle_fast.__all__) == sorted([*eagle_fast._LAZY, "__version__"])
     assert all(hasattr(eagle_fast, name) for name in eagle_fast.__all__)
+
+
+def test_declared_vllm_range_is_the_one_the_runner_checks(caplog):
+    tomllib = pytest.importorskip("tomllib", reason="Python < 3.11")
+    from eagle_fast.runners import _vllm_compat as compat
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["vllm"] == [compat.VERSION_SPEC]
+    cpu_pin = project["optional-dependencies"]["cpu"][0].split("==")[1]
+    assert compat.check_version_range(cpu_pin), "the CPU pin must lie inside the verified range"
+    assert compat.check_version_range("0.33.0") and compat.check_version_range("0.33.2+cu129")
+    with pytest.raises(RuntimeError, match=r"vllm>=0\.32,<0\.34"):
+        compat.check_version_range("0.31.9")
+    with caplog.at_level("WARNING", logger=compat.__name__):
+        assert not compat.check_version_range("0.34.0")
+    assert "newer than VLLMTargetRunner's verified range" in caplog.text

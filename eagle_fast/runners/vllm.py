@@ -14,9 +14,12 @@ Design points:
   rebuilt only when the set of capture ids changes; aux id `L-1` shares the final slot.
 - On CPU the KV cache is bounded by default (`kv_cache_memory_bytes`), unless the caller or
   `VLLM_CPU_KVCACHE_SPACE` sets it; on GPU `gpu_memory_utilization` defaults to 0.5 (NeMo's).
-- `close()` shuts the engine's processes down explicitly and removes the temp dir. A runner
-  killed before it could (SIGKILL) leaves its dir; the next engine start on the machine removes
-  the dirs whose owner process is gone (`sweep_orphaned_storage`).
+- `build` refuses a family whose vLLM model class has no EAGLE-3 aux outputs (Gemma-2/3 in 0.32,
+  0.33) before any engine starts (`capture_unsupported`); the engine would die at start-up.
+- `close()` shuts the engine's processes down explicitly, reaps them (no zombie EngineCore
+  when vLLM had to SIGKILL it), and removes the temp dir. A runner killed before it could
+  (SIGKILL) leaves its dir; the next engine start on the machine removes the dirs whose owner
+  process is gone (`sweep_orphaned_storage`).
 - Every vLLM call that depends on its version is in `_vllm_compat.py`.
 Limits: one engine per runner; only TP rank 0 writes files (vLLM's rule), which the main
 process reads, so the runner must run where rank 0's filesystem is visible.
@@ -47,6 +50,27 @@ __all__ = ["VLLMTargetRunner"]
 _CPU_KV_PROMPTS = 2
 _CPU_KV_MIN_BYTES = 64 << 20
 _CPU_KV_MAX_BYTES = 4 << 30  # beyond this, set kv_cache_memory_bytes / max_model_len explicitly
+
+HF_ENGINE_FIX = (
+    "use the transformers engine: `--engine hf` on the CLI, eagle_fast.HFTargetRunner in Python"
+)
+
+
+def capture_unsupported(
+    architectures: list[str], model_type: str | None = None, model_impl: str = "auto"
+) -> str | None:
+    """Why vLLM cannot capture EAGLE-3 aux hidden states from this model, or None when it can
+    (or cannot tell: the engine start then decides). Cheap: no weights, no engine."""
+    class_name, supported = compat.eagle3_support(architectures, model_impl)
+    if supported is not False:
+        return None
+    family = f"{model_type} " if model_type else ""
+    return (
+        f"vLLM cannot capture EAGLE-3 hidden states from this {family}model "
+        f"({', '.join(architectures)}): its model class {class_name} does not implement "
+        "SupportsEagle3 (aux hidden-state outputs), so the engine would die at start-up with "
+        "'Engine core initialization failed'"
+    )
 
 
 # Capture dirs are named for their owner, `eagle_fast-hs-{pid}.{start}-XXXXXXXX` (start: the
@@ -155,6 +179,13 @@ class VLLMTargetRunner(RunnerBase):
         )  # fmt: skip
         device = head.device
         text = text_config(config)
+        unsupported = capture_unsupported(
+            list(getattr(config, "architectures", None) or []),
+            getattr(text, "model_type", None),
+            kwargs.get("model_impl", "auto"),
+        )
+        if unsupported:
+            raise ValueError(f"{unsupported} (vllm {version}); {HF_ENGINE_FIX}")
         max_len = kwargs.get("max_model_len") or getattr(text, "max_position_embeddings", None)
         if max_len is None:
             raise ValueError(
