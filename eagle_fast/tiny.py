@@ -1,7 +1,8 @@
 """Tiny random target checkpoints and an offline tokenizer, built locally.
 
 No model hub is reachable here (nor needed): the tests, the benchmarks and `eagle-fast demo`
-build small Llama/Qwen3-style checkpoints with transformers' `save_pretrained` (safetensors)
+build small checkpoints of the families in `FAMILIES` (Llama, Qwen, Mistral, Phi-3, OLMo-2,
+Granite, Gemma-2/3) with transformers' `save_pretrained` (safetensors)
 and a byte-level BPE tokenizer trained on an embedded corpus, with a ChatML chat template
 whose `{% generation %}` markers let transformers return the assistant-token mask.
 
@@ -37,9 +38,33 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_ROLES = ("system", "user", "assistant")
 
 
+# arch -> (transformers config class, model class, family-specific config values). The values
+# are the ones the output head depends on, set away from their neutral defaults so a head that
+# ignored them would be wrong: Gemma-2's final softcap, Granite's logit (and other) multipliers.
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        {"logits_scaling": 4.0, "embedding_multiplier": 3.0, "residual_multiplier": 0.5},
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    ),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+}
+
+
 @dataclass(frozen=True)
 class TinySpec:
-    """Shape of a tiny target. `arch` is "qwen3" or "llama"."""
+    """Shape of a tiny target. `arch` is a key of `FAMILIES` ("qwen3", "llama", "gemma2", ...)."""
 
     arch: str = "qwen3"
     hidden_size: int = 128
@@ -52,6 +77,7 @@ class TinySpec:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02  # weight std; larger makes logits big enough for softcaps
     torch_dtype: str = "float32"
     seed: int = 0
     tokenizer_vocab: int = 600  # BPE size; must be <= vocab_size
@@ -138,19 +164,18 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(
             "tie_word_embeddings": spec.tie_word_embeddings,
             "max_position_embeddings": spec.max_position_embeddings,
             "rms_norm_eps": spec.rms_norm_eps,
+            "initializer_range": spec.initializer_range,
             "bos_token_id": None,
             "eos_token_id": 2,
             "pad_token_id": 0,
         }
-        if spec.arch == "qwen3":
-            from transformers import Qwen3Config as Config
-            from transformers import Qwen3ForCausalLM as Model
-        elif spec.arch == "llama":
-            from transformers import LlamaConfig as Config
-            from transformers import LlamaForCausalLM as Model
-        else:
-            raise ValueError(f"TinySpec.arch={spec.arch!r}: use 'qwen3' or 'llama'")
-        cfg = Config(**common)
+        if spec.arch not in FAMILIES:
+            raise ValueError(f"TinySpec.arch={spec.arch!r}: use one of {sorted(FAMILIES)}")
+        import transformers
+
+        config_name, model_name, family = FAMILIES[spec.arch]
+        Model = getattr(transformers, model_name)
+        cfg = getattr(transformers, config_name)(**common, **family)
         torch.manual_seed(spec.seed)
         model = Model(cfg)
         # Random norm weights (not all ones) so a missed or mis-ordered norm shows in tests.

