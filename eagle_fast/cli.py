@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from eagle_fast import __version__
-from eagle_fast.manifest import UserError
+from eagle_fast.errors import UserError
 
 EXAMPLES = """\
 examples:

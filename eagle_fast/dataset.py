@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from eagle_fast.errors import UserError
 from eagle_fast.formats import SamplePlan, make_layout, spec_from_manifest
 from eagle_fast.manifest import (
-    UserError,
     check_file_cheap,
     check_file_full,
     iter_files,

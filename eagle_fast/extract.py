@@ -56,8 +56,9 @@ from typing import Any
 import torch
 
 from eagle_fast import __version__
+from eagle_fast.dtypes import SHORT_NAMES, parse_dtype, short_name
+from eagle_fast.errors import UserError, bad_line
 from eagle_fast.formats import (
-    DTYPE_NAMES,
     KINDS,
     LAYOUTS,
     Layout,
@@ -76,7 +77,6 @@ from eagle_fast.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    UserError,
     atomic_write_json,
     check_file_cheap,
     diff_settings,
@@ -107,10 +107,6 @@ class Record:
     loss_mask: list[int] | None = None
 
 
-def _bad(path: str, line: int, reason: str, fix: str) -> UserError:
-    return UserError(f"{path}:{line}: {reason}", fix)
-
-
 _FIX_FORMAT = ('make each line one JSON object with "messages" (chat), "text", or "input_ids" '
                '(+ optional "loss_mask")')
 
@@ -118,24 +114,24 @@ _FIX_FORMAT = ('make each line one JSON object with "messages" (chat), "text", o
 def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dict]:
     key = "conversations" if sharegpt else "messages"
     if not isinstance(msgs, list):
-        raise _bad(path, line, f'"{key}" must be a list of messages, got {type(msgs).__name__}', _FIX_FORMAT)
+        raise bad_line(path, line, f'"{key}" must be a list of messages, got {type(msgs).__name__}', _FIX_FORMAT)
     if not msgs:
-        raise _bad(path, line, f'empty "{key}" list', "drop the line or give it at least one message")
+        raise bad_line(path, line, f'empty "{key}" list', "drop the line or give it at least one message")
     out = []
     for i, m in enumerate(msgs, 1):
         if not isinstance(m, dict):
-            raise _bad(path, line, f"message {i} is a {type(m).__name__}, not an object", _FIX_FORMAT)
+            raise bad_line(path, line, f"message {i} is a {type(m).__name__}, not an object", _FIX_FORMAT)
         role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
         role = m.get(role_key)
         allowed = SHAREGPT_ROLES if sharegpt else ROLES
         if role not in allowed:
-            raise _bad(
+            raise bad_line(
                 path, line, f"unknown role {role!r} in message {i}",
                 f"use one of {', '.join(sorted(allowed) if sharegpt else ROLES)}",
             )
         content = m.get(content_key)
         if not isinstance(content, str):
-            raise _bad(path, line, f'message {i} has no string "{content_key}"',
+            raise bad_line(path, line, f'message {i} has no string "{content_key}"',
                        f'give every message a "{content_key}" string')
         msg = {"role": SHAREGPT_ROLES[role] if sharegpt else role, "content": content}
         for extra in ("reasoning_content", "tool_calls", "name", "tool_call_id"):
@@ -143,34 +139,34 @@ def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dic
                 msg[extra] = m[extra]
         out.append(msg)
     if not any(m["content"] for m in out):
-        raise _bad(path, line, "every message is empty", "drop the line or fill in its messages")
+        raise bad_line(path, line, "every message is empty", "drop the line or fill in its messages")
     return out
 
 
 def parse_line(path: str, line: int, raw: str) -> Record:
     """Validate one jsonl line; raise UserError with file:line and the reason."""
     if not raw.strip():
-        raise _bad(path, line, "empty line", "remove blank lines from the file")
+        raise bad_line(path, line, "empty line", "remove blank lines from the file")
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise _bad(path, line, f"invalid JSON ({exc.msg} at column {exc.colno})", _FIX_FORMAT) from None
+        raise bad_line(path, line, f"invalid JSON ({exc.msg} at column {exc.colno})", _FIX_FORMAT) from None
     if not isinstance(obj, dict):
-        raise _bad(path, line, f"expected a JSON object, got {type(obj).__name__}", _FIX_FORMAT)
+        raise bad_line(path, line, f"expected a JSON object, got {type(obj).__name__}", _FIX_FORMAT)
     if "input_ids" in obj:
         ids = obj["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise _bad(path, line, '"input_ids" must be a list of integers', _FIX_FORMAT)
+            raise bad_line(path, line, '"input_ids" must be a list of integers', _FIX_FORMAT)
         if not ids:
-            raise _bad(path, line, 'empty "input_ids"', "drop the line or give it tokens")
+            raise bad_line(path, line, 'empty "input_ids"', "drop the line or give it tokens")
         if min(ids) < 0:
-            raise _bad(path, line, f"negative token id {min(ids)} in input_ids", "token ids are >= 0")
+            raise bad_line(path, line, f"negative token id {min(ids)} in input_ids", "token ids are >= 0")
         mask = obj.get("loss_mask")
         if mask is not None:
             if not isinstance(mask, list) or not all(v in (0, 1) for v in mask):
-                raise _bad(path, line, '"loss_mask" must be a list of 0/1 (or true/false)', _FIX_FORMAT)
+                raise bad_line(path, line, '"loss_mask" must be a list of 0/1 (or true/false)', _FIX_FORMAT)
             if len(mask) != len(ids):
-                raise _bad(path, line, f"loss_mask has {len(mask)} entries for {len(ids)} input_ids",
+                raise bad_line(path, line, f"loss_mask has {len(mask)} entries for {len(ids)} input_ids",
                            "give loss_mask exactly one entry per token")
             mask = [int(v) for v in mask]
         return Record(line, "input_ids", ids, mask)
@@ -181,12 +177,12 @@ def parse_line(path: str, line: int, raw: str) -> Record:
     if "text" in obj:
         text = obj["text"]
         if not isinstance(text, str):
-            raise _bad(path, line, f'"text" must be a string, got {type(text).__name__}', _FIX_FORMAT)
+            raise bad_line(path, line, f'"text" must be a string, got {type(text).__name__}', _FIX_FORMAT)
         if not text.strip():
-            raise _bad(path, line, 'empty "text"', "drop the line or give it text")
+            raise bad_line(path, line, 'empty "text"', "drop the line or give it text")
         return Record(line, "text", text)
     keys = ", ".join(sorted(obj)) or "none"
-    raise _bad(path, line, f"no usable field (found keys: {keys})", _FIX_FORMAT)
+    raise bad_line(path, line, f"no usable field (found keys: {keys})", _FIX_FORMAT)
 
 
 def read_records(path: str | os.PathLike) -> tuple[list[Record], str]:
@@ -200,7 +196,7 @@ def read_records(path: str | os.PathLike) -> tuple[list[Record], str]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise _bad(str(p), line, "not valid UTF-8", "save the file as UTF-8") from None
+        raise bad_line(str(p), line, "not valid UTF-8", "save the file as UTF-8") from None
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()  # the final newline ends the last line; it does not start a new one
@@ -321,7 +317,7 @@ def tokenize_record(rec: Record, tok, path: str) -> tuple[list[int], list[int]]:
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template error is a problem with this line's data
-        raise _bad(path, rec.line, f"the chat template failed ({type(exc).__name__}: "
+        raise bad_line(path, rec.line, f"the chat template failed ({type(exc).__name__}: "
                    f"{str(exc).splitlines()[0][:160]})", "check the message roles and order") from None
 
 
@@ -350,10 +346,10 @@ def plan_inputs(path: str | os.PathLike, tok, vocab_size: int, *, max_len: int, 
     for rec in records:
         ids, mask = tokenize_record(rec, tok, str(path))
         if not ids:
-            raise _bad(str(path), rec.line, "tokenises to zero tokens", "drop the line or give it content")
+            raise bad_line(str(path), rec.line, "tokenises to zero tokens", "drop the line or give it content")
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise _bad(str(path), rec.line, f"token id {bad[0]} is outside the model's vocabulary "
+            raise bad_line(str(path), rec.line, f"token id {bad[0]} is outside the model's vocabulary "
                        f"[0, {vocab_size})", "tokenise with this model's tokenizer")
         if len(ids) > max_len:
             if overlong == "skip":
@@ -769,14 +765,17 @@ def resolve_dtype_name(model: str, dtype: str) -> str:
         return "bf16"  # load_model_info reports the real problem
     text = _text_config(cfg)
     name = str(text.get("dtype") or text.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "")
-    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}.get(name.replace("torch.", ""), "bf16")
+    try:
+        return short_name(parse_dtype(name))
+    except ValueError:
+        return "bf16"
 
 
 def _check_config(cfg: ExtractConfig) -> None:
     if cfg.layout not in LAYOUTS:
         raise UserError(f"--format {cfg.layout!r} is not one of {', '.join(LAYOUTS)}", "pick one of them")
     for name, value in (("--dtype", cfg.dtype), ("--out-dtype", cfg.out_dtype)):
-        if value not in DTYPE_NAMES:
+        if value not in SHORT_NAMES:
             raise UserError(f"{name} {value!r} is not one of bf16, fp16, fp32", "pick one of them")
     if cfg.batch_tokens < 1:
         raise UserError(f"--batch-tokens must be positive, got {cfg.batch_tokens}", "pass e.g. --batch-tokens 16384")
@@ -821,8 +820,8 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     aux = parse_aux_layers(cfg.aux_layers, info.num_hidden_layers)
     if cfg.layout == "speculators":
         aux = sorted(aux)  # vLLM / speculators store capture slots in ascending layer order
-    dtype = DTYPE_NAMES[cfg.dtype]
-    out_dtype = DTYPE_NAMES[cfg.out_dtype]
+    dtype = SHORT_NAMES[cfg.dtype]
+    out_dtype = SHORT_NAMES[cfg.out_dtype]
     draft = load_draft_vocab(cfg.draft_vocab, info.vocab_size) if cfg.draft_vocab else None
     kind = _resolve_kind(cfg, draft is not None)
     validate_layout_kind(cfg.layout, kind)
@@ -1498,7 +1497,7 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
 
         draft_ids = load_file(str(Path(directory) / "draft_vocab.safetensors"))["selected_token_ids"]
     factory = runner_factory or default_runner_factory
-    runner = factory("hf", model, DTYPE_NAMES[m["settings"]["dtype"]], m["settings"]["max_len"])
+    runner = factory("hf", model, SHORT_NAMES[m["settings"]["dtype"]], m["settings"]["max_len"])
     stored_all: dict[str, list[torch.Tensor]] = {}
     recomputed_all: dict[str, list[torch.Tensor]] = {}
     broken: dict[str, FieldReport] = {}

@@ -48,34 +48,13 @@ from typing import Any
 
 import torch
 
+from eagle_fast.dtypes import SAFETENSORS_CODES, SHORT_NAMES, long_name, short_name
+from eagle_fast.head import read_input_embedding
 from eagle_fast.manifest import commit_temp, file_record, fsync_dir, temp_path_for
 
 LAYOUTS = ("native", "nemo", "speculators")
 KINDS = ("draft", "topk", "lse", "logits", "hidden")
 NEMO_FORMAT_VERSION = 2  # nemo_automodel.components.datasets.llm.eagle3_cache._FORMAT_VERSION
-
-_ST_DTYPE = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def short_dtype(dtype: torch.dtype) -> str:
-    return {v: k for k, v in DTYPE_NAMES.items()}[dtype]
-
 
 # ------------------------------------------------------------------ safetensors writing
 
@@ -112,7 +91,7 @@ class SafetensorsWriter:
                 numel *= s
             nbytes = numel * torch.empty((), dtype=dtype).element_size()
             row_bytes = nbytes // shape[0] if shape and shape[0] else 0
-            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
+            header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             self._layout[name] = (offset, row_bytes, dtype, shape)
             offset += nbytes
@@ -234,7 +213,7 @@ HEAD_OUTPUTS = {"draft": ("draft",), "topk": ("topk",), "lse": (), "logits": ("l
 
 def validate_layout_kind(layout: str, kind: str) -> None:
     """Raise a UserError for a supervision kind the layout cannot store."""
-    from eagle_fast.manifest import UserError
+    from eagle_fast.errors import UserError
 
     if layout == "nemo" and kind not in ("draft", "topk"):
         raise UserError(
@@ -360,7 +339,7 @@ class NativeLayout(Layout):
         out = {}
         for name, (dtype, trailing) in self._token_fields().items():
             read_dtype = torch.int64 if name in _INT_ON_DISK else dtype
-            out[name] = {"dtype": dtype_name(read_dtype), "shape": ["T", *trailing]}
+            out[name] = {"dtype": long_name(read_dtype), "shape": ["T", *trailing]}
         return out
 
     def encode(self, sample, result):
@@ -470,7 +449,7 @@ class NemoLayout(Layout):
         return out
 
     def fields(self):
-        return {n: {"dtype": dtype_name(d), "shape": list(shape)} for n, (d, shape) in self._specs().items()}
+        return {n: {"dtype": long_name(d), "shape": list(shape)} for n, (d, shape) in self._specs().items()}
 
     def encode(self, sample, result):
         s = self.spec
@@ -554,7 +533,7 @@ def nemo_manifest_fields(spec: LayoutSpec, *, model_id: str, data_path: str, num
         "target_vocab_size": spec.vocab_size,
         "draft_vocab_size": len(selected),
         "seq_length": spec.max_len,
-        "dtype": short_dtype(spec.dtype),
+        "dtype": short_name(spec.dtype),
         "num_samples": num_samples,
         "shard_size": shard_size,
         "target_probs_topk": spec.k if spec.kind == "topk" else 0,
@@ -588,7 +567,7 @@ class SpeculatorsLayout(Layout):
     def fields(self):
         s = self.spec
         return {
-            "hidden_states": {"dtype": dtype_name(s.dtype), "shape": ["T", s.num_aux + 1, s.hidden_size]},
+            "hidden_states": {"dtype": long_name(s.dtype), "shape": ["T", s.num_aux + 1, s.hidden_size]},
             "token_ids": {"dtype": "int64", "shape": ["T"]},
             "loss_mask": {"dtype": "bool", "shape": ["T"]},
         }
@@ -687,7 +666,7 @@ def spec_from_manifest(m: dict) -> LayoutSpec:
     return LayoutSpec(
         layout=m["layout"], kind=s["kind"], k=int(s["k"]), hidden_size=int(s["hidden_size"]),
         num_aux=int(s["num_aux"]), vocab_size=int(s["vocab_size"]), draft_size=int(s["draft_size"]),
-        dtype=DTYPE_NAMES[s["dtype"]], out_dtype=DTYPE_NAMES[s["out_dtype"]],
+        dtype=SHORT_NAMES[s["dtype"]], out_dtype=SHORT_NAMES[s["out_dtype"]],
         max_len=int(s["max_len"]), pad_token_id=int(s["pad_token_id"]),
     )
 
@@ -696,40 +675,14 @@ def spec_to_json(spec: LayoutSpec) -> dict:
     return {
         "kind": spec.kind, "k": spec.k, "hidden_size": spec.hidden_size, "num_aux": spec.num_aux,
         "vocab_size": spec.vocab_size, "draft_size": spec.draft_size,
-        "dtype": short_dtype(spec.dtype), "out_dtype": short_dtype(spec.out_dtype),
+        "dtype": short_name(spec.dtype), "out_dtype": short_name(spec.out_dtype),
         "max_len": spec.max_len, "pad_token_id": spec.pad_token_id,
     }
 
 
-# ------------------------------------------------------------------ checkpoint reading
-
-
-def read_checkpoint_tensor(model_dir: str | os.PathLike, suffixes: tuple[str, ...]) -> torch.Tensor:
-    """Load one tensor whose name ends with one of `suffixes` from a HF safetensors checkpoint."""
-    from safetensors import safe_open
-
-    root = Path(model_dir)
-    index = root / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = {k: root / v for k, v in weight_map.items()}
-    else:
-        names = {}
-        for f in sorted(root.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():  # noqa: SIM118 - safe_open handles are not dicts
-                    names[k] = f
-    for suffix in suffixes:
-        for name in sorted(names):
-            if name == suffix or name.endswith("." + suffix):
-                with safe_open(str(names[name]), framework="pt") as h:
-                    return h.get_tensor(name)
-    raise KeyError(f"no tensor ending in {suffixes} in {root}")
-
-
 def write_target_embeddings(root: Path, model_dir: str, tag: str = "") -> dict:
     """NeMo's target_embeddings.safetensors: {"weight": fp32 [V, H]} (input embeddings)."""
-    weight = read_checkpoint_tensor(model_dir, ("embed_tokens.weight", "wte.weight", "word_embeddings.weight"))
+    weight = read_input_embedding(model_dir)
     path = write_safetensors(root / "target_embeddings.safetensors",
                              {"weight": weight.to(torch.float32).contiguous()}, tag=tag)
     return file_record(path, root)

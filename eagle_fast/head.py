@@ -188,6 +188,15 @@ def _weight_files(model_path: Path) -> dict[str, Path]:
     return out
 
 
+def read_input_embedding(model_path: str | Path) -> torch.Tensor:
+    """The checkpoint's input embedding `[V, H]` in its stored dtype, on CPU (the decoder's
+    `embed_tokens.weight`, chosen as `TargetHead` chooses it), without building a head."""
+    model_path = Path(model_path)
+    files = _weight_files(model_path)
+    embed, _, _ = _resolve_names(files, True, model_path)
+    return _load_tensors(files, {embed}, dtype=None, device="cpu")[embed]
+
+
 # Decoder prefixes in order of preference when a checkpoint holds several decoders (e.g. a
 # multimodal model whose audio tower also has `embed_tokens`).
 _PREFIX_ORDER = (

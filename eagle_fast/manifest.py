@@ -1,4 +1,4 @@
-"""The dataset manifest, crash-safe file writes, checksums, and the user-error type.
+"""The dataset manifest, crash-safe file writes and checksums.
 
 A dataset directory is a set of immutable shard files plus one JSON manifest that says what
 they are. Design:
@@ -30,21 +30,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from eagle_fast.errors import UserError
+
 FORMAT_NAME = "eagle-fast"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 PART_RE = re.compile(r"^manifest\.part-(\d+)-of-(\d+)\.json$")
 # Top-level keys that describe one particular invocation, not the dataset's content.
 VOLATILE_KEYS = ("runs",)
-
-
-class UserError(ValueError):
-    """A mistake the user can fix. The CLI prints `cause` and `fix` and exits with code 2."""
-
-    def __init__(self, cause: str, fix: str | None = None):
-        super().__init__(cause if fix is None else f"{cause} (fix: {fix})")
-        self.cause = cause
-        self.fix = fix
 
 
 # ----------------------------------------------------------------------------- files

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from eagle_fast.manifest import UserError, atomic_write_bytes
+from eagle_fast.errors import UserError
+from eagle_fast.manifest import atomic_write_bytes
 
 
 @dataclass

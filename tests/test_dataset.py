@@ -10,8 +10,8 @@ import torch
 from _pipeline import mixed_jsonl
 
 from eagle_fast import Eagle3Dataset
+from eagle_fast.errors import UserError
 from eagle_fast.extract import ExtractConfig, extract
-from eagle_fast.manifest import UserError
 
 
 @pytest.fixture(scope="module")

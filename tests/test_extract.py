@@ -15,6 +15,7 @@ import torch
 from _assert import assert_close, assert_ids_equal
 from _pipeline import chat_lines, manifest_core, mixed_jsonl, tree_digest, write_jsonl
 
+from eagle_fast.errors import UserError
 from eagle_fast.extract import (
     ExtractConfig,
     extract,
@@ -31,7 +32,7 @@ from eagle_fast.extract import (
     verify,
 )
 from eagle_fast.formats import SamplePlan, ShardPlan
-from eagle_fast.manifest import UserError, part_slice
+from eagle_fast.manifest import part_slice
 
 
 def cfg_for(model, data, out, **kw) -> ExtractConfig:

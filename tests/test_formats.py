@@ -226,7 +226,7 @@ def test_speculators_layout(tmp_path, tiny_llama):
 
 
 def test_layout_rejects_supervision_it_cannot_store(tmp_path, tiny_llama):
-    from eagle_fast.manifest import UserError
+    from eagle_fast.errors import UserError
 
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(2))
     for layout, kind in [("nemo", "lse"), ("nemo", "hidden"), ("speculators", "topk")]:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from eagle_fast.dtypes import NUMPY_TWINS, parse_dtype
 from eagle_fast.kernels._common import OUT_DTYPE_FIELDS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -264,15 +265,6 @@ def validate_sequences(
     return seqs
 
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
 def resolve_dtype(config: Any, dtype: torch.dtype | str | None) -> torch.dtype:
     """The dtype the target runs in: `dtype` if given, else the checkpoint's (config `dtype` /
     `torch_dtype`), else fp32. Passed explicitly to every engine, so runners agree."""
@@ -283,15 +275,7 @@ def resolve_dtype(config: Any, dtype: torch.dtype | str | None) -> torch.dtype:
             dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
             if dtype is not None:
                 break
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-        dtype = _DTYPES[dtype]
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"unsupported target dtype {dtype}; use float32, float16 or bfloat16")
-    return dtype
+    return torch.float32 if dtype is None else parse_dtype(dtype)
 
 
 def load_config_and_head(
@@ -593,15 +577,6 @@ class RunnerBase:
         self.close()
 
 
-# numpy dtypes with torch's layout (bf16 through its 16-bit pattern).
-_NUMPY_TWINS = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "uint16",
-    torch.int64: "int64",
-    torch.int32: "int32",
-    torch.bool: "bool",
-}
 _LAZY_ZEROS_MIN_BYTES = 1 << 20
 
 
@@ -616,7 +591,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """
     device = torch.device(device)
     numel = math.prod(int(n) for n in shape)
-    twin = _NUMPY_TWINS.get(dtype)
+    twin = NUMPY_TWINS.get(dtype)
     nbytes = numel * dtype.itemsize
     if device.type != "cpu" or twin is None or nbytes < _LAZY_ZEROS_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
