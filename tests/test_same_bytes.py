@@ -1,0 +1,140 @@
+"""The datasets eagle_fast writes are byte-identical to those of a pinned earlier commit.
+
+A refactor must not change a single byte of what users get. Each test runs the same CLI
+commands twice on this machine, once with the package as it was at BASELINE (unpacked from
+git into a temp dir, run in a subprocess that imports only it) and once with the package as it
+is now, and compares every output file. Both sides run here, so the comparison holds on any
+CPU (the bytes of float fields differ between ISAs, never between the two sides).
+
+Cases: the demo (`eagle-fast demo`: vocab + extract on the vLLM engine where it is installed),
+and the extraction settings the test suite uses, on the hf engine: every supervision kind in
+the native format, and the NeMo and speculators formats.
+
+BASELINE moves only when a change is meant to change the bytes, and says why in its commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+from _pipeline import manifest_core, mixed_jsonl, tree_digest
+
+# The last commit before the layout of issue "one supervision path" (same bytes since).
+BASELINE = "5a534cffb8fe0421c4b2e05413cbeb6b3a48d12d"
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs `eagle-fast` commands (a JSON list of argv lists) with whichever eagle_fast is first on
+# sys.path, after checking it is the one the caller meant.
+_DRIVER = r"""
+import json, sys
+want = sys.argv[1]
+import eagle_fast
+assert eagle_fast.__file__.startswith(want), (eagle_fast.__file__, want)
+from eagle_fast.cli import main
+for argv in json.loads(sys.argv[2]):
+    code = main(argv)
+    if code:
+        sys.exit(f"{argv[0]} exited {code}")
+"""
+
+
+@pytest.fixture(scope="module")
+def baseline_tree(tmp_path_factory) -> Path:
+    """The package at BASELINE, laid out as installed: eagle_fast/ with kernels/ inside."""
+    root = tmp_path_factory.mktemp("baseline")
+    try:
+        blob = subprocess.run(["git", "-C", str(REPO), "archive", BASELINE, "eagle_fast", "kernels"],
+                              capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        pytest.fail(f"cannot read commit {BASELINE} from {REPO} ({err.decode(errors='replace').strip()}); "
+                    "this test needs the repository's history: clone without --depth", pytrace=False)
+    with tarfile.open(fileobj=BytesIO(blob)) as tar:
+        tar.extractall(root, filter="data")
+    (root / "kernels").rename(root / "eagle_fast" / "kernels")
+    return root
+
+
+def _run(src: Path | None, commands: list[list[str]], cwd: Path) -> None:
+    """The commands with the package under `src` (None: the one installed from this checkout)."""
+    env = dict(os.environ)
+    if src is None:
+        want = str(REPO)
+    else:
+        want = str(src)
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, want, json.dumps(commands)], check=False,
+                          env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"{'baseline' if src else 'current'} run failed:\n{proc.stderr[-4000:]}"
+
+
+def _same_outputs(old: Path, new: Path, paths: tuple[str, ...] = ()) -> None:
+    """Every file byte-identical, and the manifests equal but for run statistics and the
+    `paths` ("section.key") that name where each side's inputs lie."""
+    got, want = tree_digest(new, skip_manifest=True), tree_digest(old, skip_manifest=True)
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    differ = sorted(name for name in got if got[name] != want[name])
+    assert not differ, f"files differ from the baseline's: {differ}"
+
+    def core(root, name):
+        m = manifest_core(root, name)
+        inner = m.get("eagle_fast", m)
+        for path in paths:
+            section, key = path.split(".")
+            inner[section].pop(key)
+        return m
+
+    for name in sorted(p.name for p in Path(old).glob("manifest*.json")):
+        assert core(new, name) == core(old, name), name
+
+
+CASES = {  # name -> extra extract arguments (all on the hf engine, fp32, small shards)
+    "native-draft": ["--supervision", "draft", "--draft-vocab", "{vocab}"],
+    "native-topk": ["--supervision", "topk", "--k", "8"],
+    "native-lse": ["--supervision", "lse"],
+    "native-logits": ["--supervision", "logits", "--out-dtype", "bf16"],
+    "native-hidden": ["--supervision", "hidden"],
+    "nemo": ["--format", "nemo", "--draft-vocab", "{vocab}"],
+    "speculators": ["--format", "speculators"],
+}
+
+
+def test_extractions_match_the_baseline(baseline_tree, tiny_llama, tmp_path):
+    data = mixed_jsonl(tmp_path / "d.jsonl", n_chat=12)
+    for side, src in (("old", baseline_tree), ("new", None)):
+        base = tmp_path / side
+        base.mkdir()
+        vocab = base / "vocab.pt"
+        commands = [["vocab", "--model", str(tiny_llama), "--data", str(data), "--size", "64",
+                     "--out", str(vocab), "--max-len", "256"]]
+        for name, extra in CASES.items():
+            commands.append(["extract", "--model", str(tiny_llama), "--data", str(data), "--out",
+                             str(base / name), "--engine", "hf", "--dtype", "fp32", "--max-len", "256",
+                             "--shard-size", "5", "--batch-tokens", "300", "--aux-layers", "0,1,3",
+                             *(a.format(vocab=vocab) for a in extra)])
+        _run(src, commands, cwd=base)
+    assert (tmp_path / "old" / "vocab.pt").read_bytes() == (tmp_path / "new" / "vocab.pt").read_bytes()
+    for name in CASES:
+        _same_outputs(tmp_path / "old" / name, tmp_path / "new" / name)
+
+
+def test_demo_matches_the_baseline(baseline_tree, tmp_path):
+    cache = tmp_path / "cache"  # one demo model for both sides (it is built once, atomically)
+    for side, src in (("old", baseline_tree), ("new", None)):
+        _run(src, [["demo", "--out", str(tmp_path / side / "ds"), "--cache", str(cache)]], cwd=tmp_path)
+    # The data file lies in each side's package, the model where each side's cache key puts
+    # it: the same model, byte for byte, if the keys differ.
+    old_m, new_m = (json.loads((tmp_path / side / "ds" / "manifest.json").read_text())["model"]["id"]
+                    for side in ("old", "new"))
+    model_files = [{k: v for k, v in tree_digest(Path(m)).items() if k != ".complete"}  # holds the key
+                   for m in (old_m, new_m)]
+    assert model_files[0] == model_files[1]
+    _same_outputs(tmp_path / "old" / "ds", tmp_path / "new" / "ds", paths=("model.id", "data.path"))
