@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it (imported on first attribute access)
 _LAZY = {
     "TargetRunner": "eagle_fast.runners.base",
-    "Supervision": "eagle_fast.runners.base",
+    "Supervision": "eagle_fast.supervision",
     "HFTargetRunner": "eagle_fast.runners.hf",
     "VLLMTargetRunner": "eagle_fast.runners.vllm",
     "TargetHead": "eagle_fast.head",

@@ -90,6 +90,7 @@ from eagle_fast.manifest import (
     read_manifest,
     temp_path_for,
 )
+from eagle_fast.supervision import RowFields, supervise
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -1137,7 +1138,7 @@ _FIELDS_BY_OUTPUTS = {
 
 def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
                   draft_ids: torch.Tensor | None, k: int) -> list[dict]:
-    """Canonical per-sample results for one batch: one engine call, one head call.
+    """Canonical per-sample results for one batch: one engine call, then `supervise`.
 
     Each result holds input_ids int64 [T], loss_mask bool [T], aux_hidden_states [T, 3H],
     `hidden` [T, H] when the layout stores it, and the head fields the layout asks for.
@@ -1163,20 +1164,18 @@ def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
     outputs = layout.head_outputs()
     if outputs is None:
         return results
-    finals = torch.cat([f for _, f in caps], dim=0)
     ids = None
     if "draft" in outputs:
         ids = draft_ids if draft_ids is not None else torch.arange(layout.spec.vocab_size)
-        ids = ids.to(finals.device)
-    out = runner.head.compute(finals, outputs=outputs, k=k if "topk" in outputs else 0,
-                              draft_ids=ids, out_dtype=layout.head_out_dtype())
-    lengths = [s.length for s in samples]
-    for name in _FIELDS_BY_OUTPUTS[tuple(outputs)]:
-        t = getattr(out, name)
-        if t is None:
-            raise RuntimeError(f"the head returned no {name!r} for outputs {outputs}")
-        for r, chunk in zip(results, torch.split(t.detach().cpu(), lengths, dim=0)):
-            r[name] = chunk
+        ids = ids.to(runner.head.device)
+    into = RowFields(len(samples))
+    supervise(runner.head, [f for _, f in caps], outputs, into, draft_ids=ids, k=k,
+              out_dtype=layout.head_out_dtype())
+    for r, row in zip(results, into.rows()):
+        for name in _FIELDS_BY_OUTPUTS[tuple(outputs)]:
+            if name not in row:
+                raise RuntimeError(f"the head returned no {name!r} for outputs {outputs}")
+            r[name] = row[name].detach().cpu()
     return results
 
 

@@ -144,9 +144,9 @@ def test_supervision_equals_head_over_transformers_logits(runner):
 @pytest.mark.parametrize(
     "plan",
     [
-        {"_SUPERVISION_GROUP_TOKENS": 10_000},
-        {"_SUPERVISION_GROUP_TOKENS": 16, "_SUPERVISION_MIN_TOKENS": 16},
-        {"_SUPERVISION_STAGING_BYTES": 0, "_SUPERVISION_MIN_TOKENS": 16},
+        {"GROUP_TOKENS": 10_000},
+        {"GROUP_TOKENS": 16, "MIN_TOKENS": 16},
+        {"STAGING_BYTES": 0, "MIN_TOKENS": 16},
     ],
     ids=["one-group", "split-rows", "shrinking"],
 )
@@ -161,7 +161,7 @@ def test_supervision_out_dtype_and_groups_equal_the_head(hf_llama, out_dtype, pl
     import contextlib
     from unittest import mock
 
-    from eagle_fast.runners import base
+    from eagle_fast import supervision
 
     ids, mask = make_batch(lengths=(40, 33, 1, 50), seed=2)
     draft_ids = draft_vocab()
@@ -177,15 +177,15 @@ def test_supervision_out_dtype_and_groups_equal_the_head(hf_llama, out_dtype, pl
 
         with contextlib.ExitStack() as stack:
             for name, value in plan.items():
-                stack.enter_context(mock.patch.object(base, name, value))
+                stack.enter_context(mock.patch.object(supervision, name, value))
             stack.enter_context(mock.patch.object(hf_llama.head, "compute", counted))
             sup = hf_llama.forward_eagle3_supervision(
                 ids, mask, outputs=outputs, draft_ids=draft_ids, k=4, out_dtype=out_dtype
             )
         assert sum(calls) == int(keep.sum())
-        if plan.get("_SUPERVISION_GROUP_TOKENS") == 16:  # rows split across calls
+        if plan.get("GROUP_TOKENS") == 16:  # rows split across calls
             assert max(calls) <= 16 and len(calls) == 8, calls
-        if "_SUPERVISION_STAGING_BYTES" in plan:  # never growing towards the end
+        if "STAGING_BYTES" in plan:  # never growing towards the end
             assert calls[1:] == sorted(calls[1:], reverse=True) and calls[-1] == 16, calls
             assert len(calls) > 2 and calls[0] >= calls[1], calls
         one_call = len(calls) == 1
@@ -205,7 +205,7 @@ def test_supervision_group_plan_covers_rows_and_bounds_staging(seed):
     # Pure planner: every token once, in row-major order; sizes within [min, max] (the first
     # group may be smaller); and at every group, fields written so far + the group's staged
     # results + its new field pages stay within `budget` of the fields' final size.
-    from eagle_fast.runners.base import plan_supervision_groups
+    from eagle_fast.supervision import plan_supervision_groups
 
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(0, 300, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
@@ -228,10 +228,14 @@ def test_supervision_group_plan_covers_rows_and_bounds_staging(seed):
 
 
 def test_supervision_group_plan_rejects_bad_arguments():
-    from eagle_fast.runners.base import plan_supervision_groups
+    from eagle_fast.supervision import plan_supervision_groups
 
     with pytest.raises(ValueError, match="bytes per token"):
-        plan_supervision_groups([3], 0, 1, 10, max_tokens=4)
+        plan_supervision_groups([3], -1, 1, 10, max_tokens=4)
+    # nothing staged (the fields are the head's own outputs): groups of max_tokens, the first
+    # sliver shared with the second
+    assert plan_supervision_groups([3, 6], 0, 1, 0, max_tokens=4) == [
+        [(0, 0, 3)], [(1, 0, 2)], [(1, 2, 6)]]
     with pytest.raises(ValueError, match="min_tokens <= max_tokens"):
         plan_supervision_groups([3], 1, 1, 10, max_tokens=4, min_tokens=5)
     assert plan_supervision_groups([0, 0], 1, 1, 10, max_tokens=4) == []

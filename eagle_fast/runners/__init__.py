@@ -7,8 +7,9 @@ surface (`model`, `set_aux_layers`, `forward_eagle3`, `input_embedding_weight`) 
 Importing this package imports neither vLLM nor transformers.
 """
 
-from eagle_fast.runners.base import RunnerBase, Supervision, TargetRunner
+from eagle_fast.runners.base import RunnerBase, TargetRunner
 from eagle_fast.runners.hf import HFTargetRunner
 from eagle_fast.runners.vllm import VLLMTargetRunner
+from eagle_fast.supervision import Supervision
 
 __all__ = ["HFTargetRunner", "RunnerBase", "Supervision", "TargetRunner", "VLLMTargetRunner"]

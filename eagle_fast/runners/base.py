@@ -1,4 +1,4 @@
-"""The runner contract (NeMo AutoModel's `TargetRunner`), the `Supervision` record, shared logic.
+"""The runner contract (NeMo AutoModel's `TargetRunner`) and what both engines share.
 
 `TargetRunner` is NeMo AutoModel's protocol
 (`nemo_automodel.components.speculative.eagle.target_runner.TargetRunner`), member for member,
@@ -10,7 +10,8 @@ so a runner here drops into `RunnerEagle3TargetModel` unchanged. Everything beyo
   `L` for the final pre-norm hidden; aux id `L-1` shares the final slot);
 - unpadding: a right-padded `[B, S]` batch becomes one token list per row (no pad work);
 - `forward_eagle3` (full fp32 logits, the drop-in) and `forward_eagle3_supervision` (only what
-  the loss needs, through `TargetHead.compute`), both built on the engine's `capture`.
+  the loss needs, through `eagle_fast.supervision.supervise`), both built on the engine's
+  `capture`.
 
 An engine implements `_capture(sequences) -> [(aux [T, 3H], final [T, H]), ...]` (CPU tensors in
 the target dtype) and `_release()`; it calls `_init_common` from its `build`.
@@ -19,16 +20,14 @@ the target dtype) and `_release()`; it calls `_init_common` from its `build`.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from eagle_fast.dtypes import NUMPY_TWINS, parse_dtype
-from eagle_fast.kernels._common import OUT_DTYPE_FIELDS
+from eagle_fast.dtypes import parse_dtype
+from eagle_fast.supervision import SUPERVISION_OUTPUTS, PaddedFields, Supervision, supervise, zeros
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -38,33 +37,14 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "HEAD_OUTPUTS",
     "RunnerBase",
-    "Supervision",
     "TargetRunner",
     "capture_plan",
     "load_config_and_head",
-    "plan_supervision_groups",
     "resolve_dtype",
     "unpad",
     "validate_aux_layer_ids",
-    "zeros",
 ]
-
-# Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
-HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
-SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
-# Head calls in `forward_eagle3_supervision` (see `plan_supervision_groups`): a call's results
-# are staged while they are copied into the [B, S, ...] fields, and the groups are sized so the
-# staging never adds more than _SUPERVISION_STAGING_BYTES to what the filled fields will hold.
-# Each call also streams and upcasts the whole weight, a fixed cost per call (tens of ms at
-# V=151,936 on this project's CPU: `bench/bench_cpu_ops.py`, "call-overhead"), so groups are as
-# large as that allows, up to _SUPERVISION_GROUP_TOKENS, and never smaller than
-# _SUPERVISION_MIN_TOKENS.
-_SUPERVISION_STAGING_BYTES = 16 << 20
-_SUPERVISION_GROUP_TOKENS = 8192
-_SUPERVISION_MIN_TOKENS = 16
-
 
 @runtime_checkable
 class TargetRunner(Protocol):
@@ -86,81 +66,6 @@ class TargetRunner(Protocol):
 
     def input_embedding_weight(self) -> torch.Tensor:
         """Return the target input-embedding weight `[V, H]`."""
-
-
-@dataclass
-class Supervision:
-    """What `forward_eagle3_supervision` returns: aux hidden states plus the requested head outputs.
-
-    Shapes are `[B, S, ...]`, unshifted (position t describes the distribution after token t).
-    Pad positions (attention_mask == 0) are zero (False for bools) in every field.
-
-    aux_hidden_states  [B, S, 3H]  target dtype, the three aux layers concatenated
-    attention_mask     [B, S]      as given
-    lse, argmax        [B, S]      fp32 / int64, always filled
-    logits, logprobs   [B, S, V]   out_dtype (default: the target dtype), only when requested
-    topk_ids           [B, S, k]   int64;  topk_logprobs [B, S, k] out_dtype;  topk_tail [B, S] fp32
-    draft_logprobs     [B, S, Vd]  out_dtype, log_softmax over the draft ids (exp() = EAGLE-3's target_p)
-    argmax_in_draft    [B, S]      bool, full-vocab argmax is a draft token (EAGLE-3's position mask
-                                   before the loss mask)
-    hidden             [B, S, H]   target dtype, final hidden BEFORE the final norm, when requested
-    """
-
-    aux_hidden_states: torch.Tensor
-    attention_mask: torch.Tensor
-    lse: torch.Tensor | None = None
-    argmax: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
-    topk_ids: torch.Tensor | None = None
-    topk_logprobs: torch.Tensor | None = None
-    topk_tail: torch.Tensor | None = None
-    draft_logprobs: torch.Tensor | None = None
-    argmax_in_draft: torch.Tensor | None = None
-    hidden: torch.Tensor | None = None
-
-    def as_dict(self) -> dict[str, torch.Tensor]:
-        """The filled fields by name."""
-        return {
-            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
-        }
-
-    def target_probs(self) -> torch.Tensor:
-        """EAGLE-3's `target_p` over the draft vocabulary, fp32 `[B, S, Vd]`, UNSHIFTED."""
-        if self.draft_logprobs is None:
-            raise ValueError("target_probs needs outputs=('draft',) and draft_ids")
-        return self.draft_logprobs.float().exp() * self.attention_mask.unsqueeze(-1).to(
-            torch.float32
-        )
-
-    def to_nemo_batch(self, input_ids: torch.Tensor, loss_mask: torch.Tensor):
-        """NeMo AutoModel's precomputed-supervision `Eagle3TargetBatch` (draft vocab only).
-
-        Same shift as NeMo's `generate_batch` + `_compute_target_distribution`: `target_probs`,
-        `position_mask` (argmax in draft AND loss mask), `input_ids` and `loss_mask` are shifted
-        left by one with a zero tail; `aux_hidden_states` and `attention_mask` stay aligned.
-        Needs `outputs` to include "draft". Imports nemo_automodel lazily.
-        """
-        from nemo_automodel.components.speculative.eagle.target import Eagle3TargetBatch
-
-        if self.argmax_in_draft is None:
-            raise ValueError("to_nemo_batch needs outputs=('draft',) and draft_ids")
-        probs = self.target_probs()
-        position_mask = (
-            _shift_left(self.argmax_in_draft) & _shift_left(loss_mask.to(probs.device)).bool()
-        )
-        return Eagle3TargetBatch(
-            aux_hidden_states=self.aux_hidden_states,
-            input_ids=_shift_left(input_ids),
-            attention_mask=self.attention_mask,
-            loss_mask=_shift_left(loss_mask),
-            target_probs=_shift_left(probs),
-            position_mask=position_mask.unsqueeze(-1),
-        )
-
-
-def _shift_left(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat((t[:, 1:], torch.zeros_like(t[:, :1])), dim=1)
 
 
 # -- shared helpers ----------------------------------------------------------------------------
@@ -470,76 +375,15 @@ class RunnerBase:
         captures = self.capture(seqs)
         B, S = input_ids.shape
         device = input_ids.device
-        head_outputs = tuple(o for o in outputs if o != "hidden")
         # The aux field first; then each capture is dropped as soon as it has been used, so
         # the inputs do not add to the peak next to the outputs being filled.
         aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
         finals: list[torch.Tensor | None] = [f for _, f in captures]
         del captures
-        # Rows go through the head in groups of about _SUPERVISION_GROUP_TOKENS tokens, and each
-        # group's outputs are copied into their rows of the [B, S, ...] fields: the transient is
-        # one group's outputs, never all N rows' (for a 32k draft vocab in fp32, 131 MB instead
-        # of 0.8 GB at B=8, S=1024), and pad rows are never written (they stay zero pages).
-        # 16-bit outputs: the head returns fp32 and the copy into the fields rounds them, the
-        # same single rounding as the head's own cast (fp32 -> out_dtype), so no second, 16-bit
-        # transient of the group's outputs sits next to the fp32 one. Not with top-k, whose
-        # log-probs the head rounds from float64 (fp32 first would round twice).
-        head_dtype = out_dtype if "topk" in head_outputs else torch.float32
-        staged, kept = self._supervision_bytes_per_token(
-            head_outputs, "hidden" in outputs, draft_ids, k, head_dtype, out_dtype
-        )
-        groups = plan_supervision_groups(
-            lens, staged, kept, _SUPERVISION_STAGING_BYTES,
-            max_tokens=_SUPERVISION_GROUP_TOKENS, min_tokens=_SUPERVISION_MIN_TOKENS,
-        )  # fmt: skip
-        last_use = {b: g for g, pieces in enumerate(groups) for b, _, _ in pieces}
-        fields_out: dict[str, torch.Tensor] = {}
-        for g, pieces in enumerate(groups):
-            parts = [finals[b][a:c] for b, a, c in pieces]
-            final = torch.cat(parts) if len(parts) > 1 else parts[0]
-            del parts
-            for b, _, _ in pieces:
-                if last_use[b] == g:
-                    finals[b] = None
-            head = self.head.compute(
-                final, head_outputs, k=k, draft_ids=draft_ids, out_dtype=head_dtype, impl=impl
-            )
-            values = head.as_dict()
-            if "hidden" in outputs:
-                values["hidden"] = final
-            start = 0
-            for b, a, c in pieces:
-                for name, value in values.items():
-                    if name not in fields_out:
-                        dtype = out_dtype if name in OUT_DTYPE_FIELDS else value.dtype
-                        fields_out[name] = zeros((B, S, *value.shape[1:]), dtype, device)
-                    fields_out[name][b, a:c] = value[start : start + c - a]
-                start += c - a
-            del head, values, final
-        sup = Supervision(aux_hidden_states=aux, attention_mask=attention_mask, **fields_out)
-        return sup
-
-    def _supervision_bytes_per_token(
-        self, head_outputs, with_hidden: bool, draft_ids, k: int, head_dtype, out_dtype
-    ) -> tuple[int, int]:
-        """(staged, kept): bytes per token of one head call's results (plus its fp32 activation)
-        while they are copied, and of the [B, S, ...] fields they end up in."""
-        h_el, o_el = head_dtype.itemsize, out_dtype.itemsize
-        widths = {"lse": (4, 4), "argmax": (8, 8)}  # name -> (staged, kept) bytes per token
-        if "logits" in head_outputs:
-            widths["logits"] = (h_el * self.head.vocab_size, o_el * self.head.vocab_size)
-        if "logprobs" in head_outputs:
-            widths["logprobs"] = (h_el * self.head.vocab_size, o_el * self.head.vocab_size)
-        if "topk" in head_outputs:
-            widths["topk"] = ((8 + h_el) * k + 4, (8 + o_el) * k + 4)
-        if "draft" in head_outputs and draft_ids is not None:
-            widths["draft"] = (h_el * draft_ids.numel() + 1, o_el * draft_ids.numel() + 1)
-        hidden_bytes = self.hidden_size * self.dtype.itemsize
-        if with_hidden:
-            widths["hidden"] = (0, hidden_bytes)  # the capture itself, already resident
-        staged = sum(w for w, _ in widths.values()) + 4 * self.hidden_size + hidden_bytes
-        kept = sum(w for _, w in widths.values())
-        return staged, kept
+        into = PaddedFields(B, S, device, out_dtype)
+        supervise(self.head, finals, outputs, into, draft_ids=draft_ids, k=k, out_dtype=out_dtype,
+                  impl=impl)
+        return Supervision(aux_hidden_states=aux, attention_mask=attention_mask, **into.fields)
 
     def input_embedding_weight(self) -> torch.Tensor:
         """The target input embedding `[V, H]`, read from the checkpoint (shared with a tied head)."""
@@ -575,83 +419,3 @@ class RunnerBase:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-_LAZY_ZEROS_MIN_BYTES = 1 << 20
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """`torch.zeros(shape)`, but on CPU without writing the zeros.
-
-    `torch.zeros` allocates and then memsets every byte: for a [8, 1024, 151936] fp32 logits
-    buffer that is 5 GB written (and resident) before the head writes it again, pad rows
-    included. numpy's zeros uses calloc, whose large blocks are fresh pages that the kernel
-    zero-fills on first touch, so pages nobody writes (pad rows) cost nothing and never become
-    resident, and the rest are written once. Small buffers and other devices use torch.zeros.
-    """
-    device = torch.device(device)
-    numel = math.prod(int(n) for n in shape)
-    twin = NUMPY_TWINS.get(dtype)
-    nbytes = numel * dtype.itemsize
-    if device.type != "cpu" or twin is None or nbytes < _LAZY_ZEROS_MIN_BYTES:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    import numpy as np
-
-    out = torch.from_numpy(np.zeros(tuple(int(n) for n in shape), dtype=twin))
-    return out.view(dtype) if out.dtype != dtype else out
-
-
-def plan_supervision_groups(
-    lens: Sequence[int],
-    staged_per_token: int,
-    kept_per_token: int,
-    budget_bytes: int,
-    *,
-    max_tokens: int,
-    min_tokens: int = 1,
-) -> list[list[tuple[int, int, int]]]:
-    """Head-call groups for `forward_eagle3_supervision`: lists of `(row, start, end)` token
-    pieces that cover every row's `lens[row]` tokens once, in row-major order (a row may span
-    groups).
-
-    While a group of s tokens is copied into the [B, S, ...] fields, memory holds the fields
-    written so far, the group's staged results (s * staged_per_token) and its new field pages.
-    Sizing every group by s * staged_per_token <= budget_bytes + kept_per_token * after, where
-    `after` counts the tokens of the groups that follow, keeps that sum within budget_bytes of
-    the fields' final size at every step. Groups are planned from the last one backwards, so
-    they shrink towards the end and the first group takes what is left; sizes are clamped to
-    [min_tokens, max_tokens] (a first group smaller than the second shares its tokens).
-    """
-    total = int(sum(lens))
-    if staged_per_token <= 0 or kept_per_token < 0 or budget_bytes < 0:
-        raise ValueError("plan_supervision_groups: bytes per token and budget must be >= 0")
-    if max_tokens < 1 or not 1 <= min_tokens <= max_tokens:
-        raise ValueError("plan_supervision_groups: need 1 <= min_tokens <= max_tokens")
-    sizes: list[int] = []
-    after = 0
-    while after < total:
-        s = (budget_bytes + kept_per_token * after) // staged_per_token
-        s = min(max(s, min_tokens), max_tokens, total - after)
-        sizes.append(s)
-        after += s
-    sizes.reverse()
-    if len(sizes) > 1 and sizes[0] < sizes[1]:
-        # The first group took what was left, maybe a sliver: a whole call for it (the weight is
-        # streamed per call), and tiny calls round differently (the CPU fp32 GEMM's per-row
-        # result depends on the row count below ~16). Sharing the first two groups' tokens
-        # evenly keeps both within the second group's bound, which the first one's exceeds.
-        pair = sizes[0] + sizes[1]
-        sizes[0], sizes[1] = pair - pair // 2, pair // 2
-    groups: list[list[tuple[int, int, int]]] = []
-    row, pos = 0, 0
-    for s in sizes:
-        pieces = []
-        while s:
-            while pos == lens[row]:
-                row, pos = row + 1, 0
-            take = min(s, lens[row] - pos)
-            pieces.append((row, pos, pos + take))
-            pos += take
-            s -= take
-        groups.append(pieces)
-    return groups

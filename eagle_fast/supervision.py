@@ -1,0 +1,311 @@
+"""Captures -> supervision: the one path from final hidden states to what a draft trains on.
+
+`supervise(head, finals, outputs, ...)` runs the target head over the rows' final pre-norm
+hidden states in planned groups and hands each group's results to a destination:
+  - `PaddedFields(B, S)`: `[B, S, ...]` fields with zeros at pad positions, for
+    `forward_eagle3_supervision` (the result is a `Supervision`);
+  - `RowFields()`: one `[T_i, ...]` tensor per row and field, for the extraction pipeline.
+Both go through the same planner (`plan_supervision_groups`) and the same memory bound: a
+group's staged results never add more than `STAGING_BYTES` to the size of the fields being
+filled. PaddedFields copies each group into its fields (so the head returns fp32 and the copy
+rounds to out_dtype once); RowFields keeps the head's outputs as they are (the head rounds),
+which stages nothing, so only `GROUP_TOKENS` bounds its groups.
+
+Limits: a group is one head call, and the CPU GEMM may round a row differently for another
+group size; a given batch always gets the same groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from eagle_fast.dtypes import NUMPY_TWINS
+from eagle_fast.kernels._common import OUT_DTYPE_FIELDS
+
+# Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
+HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
+SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
+# Group sizing (see `plan_supervision_groups`). Each head call also streams the whole weight
+# (a fixed cost per call: `bench/bench_cpu_ops.py`, "call-overhead"), so groups are as large as
+# the staging bound allows, up to GROUP_TOKENS, and never smaller than MIN_TOKENS.
+STAGING_BYTES = 16 << 20
+GROUP_TOKENS = 8192
+MIN_TOKENS = 16
+
+
+@dataclass
+class Supervision:
+    """What `forward_eagle3_supervision` returns: aux hidden states plus the requested head outputs.
+
+    Shapes are `[B, S, ...]`, unshifted (position t describes the distribution after token t).
+    Pad positions (attention_mask == 0) are zero (False for bools) in every field.
+
+    aux_hidden_states  [B, S, 3H]  target dtype, the three aux layers concatenated
+    attention_mask     [B, S]      as given
+    lse, argmax        [B, S]      fp32 / int64, always filled
+    logits, logprobs   [B, S, V]   out_dtype (default: the target dtype), only when requested
+    topk_ids           [B, S, k]   int64;  topk_logprobs [B, S, k] out_dtype;  topk_tail [B, S] fp32
+    draft_logprobs     [B, S, Vd]  out_dtype, log_softmax over the draft ids (exp() = EAGLE-3's target_p)
+    argmax_in_draft    [B, S]      bool, full-vocab argmax is a draft token (EAGLE-3's position mask
+                                   before the loss mask)
+    hidden             [B, S, H]   target dtype, final hidden BEFORE the final norm, when requested
+    """
+
+    aux_hidden_states: torch.Tensor
+    attention_mask: torch.Tensor
+    lse: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    topk_tail: torch.Tensor | None = None
+    draft_logprobs: torch.Tensor | None = None
+    argmax_in_draft: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """The filled fields by name."""
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+        }
+
+    def target_probs(self) -> torch.Tensor:
+        """EAGLE-3's `target_p` over the draft vocabulary, fp32 `[B, S, Vd]`, UNSHIFTED."""
+        if self.draft_logprobs is None:
+            raise ValueError("target_probs needs outputs=('draft',) and draft_ids")
+        return self.draft_logprobs.float().exp() * self.attention_mask.unsqueeze(-1).to(
+            torch.float32
+        )
+
+    def to_nemo_batch(self, input_ids: torch.Tensor, loss_mask: torch.Tensor):
+        """NeMo AutoModel's precomputed-supervision `Eagle3TargetBatch` (draft vocab only).
+
+        Same shift as NeMo's `generate_batch` + `_compute_target_distribution`: `target_probs`,
+        `position_mask` (argmax in draft AND loss mask), `input_ids` and `loss_mask` are shifted
+        left by one with a zero tail; `aux_hidden_states` and `attention_mask` stay aligned.
+        Needs `outputs` to include "draft". Imports nemo_automodel lazily.
+        """
+        from nemo_automodel.components.speculative.eagle.target import Eagle3TargetBatch
+
+        if self.argmax_in_draft is None:
+            raise ValueError("to_nemo_batch needs outputs=('draft',) and draft_ids")
+        probs = self.target_probs()
+        position_mask = (
+            _shift_left(self.argmax_in_draft) & _shift_left(loss_mask.to(probs.device)).bool()
+        )
+        return Eagle3TargetBatch(
+            aux_hidden_states=self.aux_hidden_states,
+            input_ids=_shift_left(input_ids),
+            attention_mask=self.attention_mask,
+            loss_mask=_shift_left(loss_mask),
+            target_probs=_shift_left(probs),
+            position_mask=position_mask.unsqueeze(-1),
+        )
+
+
+def _shift_left(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat((t[:, 1:], torch.zeros_like(t[:, :1])), dim=1)
+
+
+# -- destinations ------------------------------------------------------------------------------
+class PaddedFields:
+    """`[B, S, ...]` fields (lazily zeroed pages, `zeros`), filled row piece by row piece."""
+
+    copies = True
+
+    def __init__(self, B: int, S: int, device, out_dtype: torch.dtype):
+        self.shape, self.device, self.out_dtype = (B, S), device, out_dtype
+        self.fields: dict[str, torch.Tensor] = {}
+
+    def put(self, pieces: list[tuple[int, int, int]], values: dict[str, torch.Tensor]) -> None:
+        start = 0
+        for b, a, c in pieces:
+            for name, value in values.items():
+                if name not in self.fields:
+                    dtype = self.out_dtype if name in OUT_DTYPE_FIELDS else value.dtype
+                    self.fields[name] = zeros((*self.shape, *value.shape[1:]), dtype, self.device)
+                self.fields[name][b, a:c] = value[start : start + c - a]
+            start += c - a
+
+
+class RowFields:
+    """One `[T_i, ...]` tensor per row and field: views of the head's own outputs (a row that
+    spans groups is joined once, when asked for)."""
+
+    copies = False
+
+    def __init__(self, n_rows: int):
+        self._parts: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(n_rows)]
+
+    def put(self, pieces: list[tuple[int, int, int]], values: dict[str, torch.Tensor]) -> None:
+        start = 0
+        for b, a, c in pieces:
+            for name, value in values.items():
+                self._parts[b].setdefault(name, []).append(value[start : start + c - a])
+            start += c - a
+
+    def rows(self) -> list[dict[str, torch.Tensor]]:
+        return [{name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in row.items()}
+                for row in self._parts]
+
+
+# -- the one path ------------------------------------------------------------------------------
+def supervise(
+    head,
+    finals: list[torch.Tensor | None],
+    outputs: Sequence[str],
+    into: PaddedFields | RowFields,
+    *,
+    draft_ids: torch.Tensor | None = None,
+    k: int = 0,
+    out_dtype: torch.dtype,
+    impl: str = "auto",
+) -> None:
+    """Run `head` (a `TargetHead`) over every row's final pre-norm hidden `finals[i]` `[T_i, H]`
+    and put the `outputs` ("hidden" = the final hidden itself) into `into`.
+
+    Rows go through the head in groups planned by `plan_supervision_groups` (pieces of rows);
+    `finals` entries are dropped (set to None) once their last group has run, so the inputs
+    do not add to the peak next to the outputs being filled. Outputs in `OUT_DTYPE_FIELDS`
+    come in `out_dtype`; the head computes in fp32 and rounds once either way.
+    """
+    head_outputs = tuple(o for o in outputs if o != "hidden")
+    with_hidden = "hidden" in outputs
+    k = k if "topk" in head_outputs else 0
+    # A copying destination rounds while it copies, so the head returns fp32 and no 16-bit
+    # transient of the group sits next to the fp32 one. Not with top-k, whose log-probs the head
+    # rounds from float64 (fp32 first would round twice).
+    head_dtype = torch.float32 if into.copies and "topk" not in head_outputs else out_dtype
+    lens = [f.shape[0] for f in finals]
+    staged, kept = bytes_per_token(head, head_outputs, with_hidden, draft_ids, k, head_dtype, out_dtype)
+    groups = plan_supervision_groups(
+        lens, staged if into.copies else 0, kept, STAGING_BYTES,
+        max_tokens=GROUP_TOKENS, min_tokens=MIN_TOKENS,
+    )  # fmt: skip
+    last_use = {b: g for g, pieces in enumerate(groups) for b, _, _ in pieces}
+    for g, pieces in enumerate(groups):
+        parts = [finals[b][a:c] for b, a, c in pieces]
+        final = torch.cat(parts) if len(parts) > 1 else parts[0]
+        del parts
+        for b, _, _ in pieces:
+            if last_use[b] == g:
+                finals[b] = None
+        values = head.compute(
+            final, head_outputs, k=k, draft_ids=draft_ids, out_dtype=head_dtype, impl=impl
+        ).as_dict()
+        if with_hidden:
+            values["hidden"] = final
+        into.put(pieces, values)
+        del values, final
+
+
+def bytes_per_token(
+    head, head_outputs, with_hidden: bool, draft_ids, k: int, head_dtype, out_dtype
+) -> tuple[int, int]:
+    """(staged, kept): bytes per token of one head call's results (plus its fp32 activation)
+    while they are copied, and of the fields they end up in."""
+    h_el, o_el = head_dtype.itemsize, out_dtype.itemsize
+    V = head.vocab_size
+    widths = {"lse": (4, 4), "argmax": (8, 8)}  # name -> (staged, kept) bytes per token
+    if "logits" in head_outputs:
+        widths["logits"] = (h_el * V, o_el * V)
+    if "logprobs" in head_outputs:
+        widths["logprobs"] = (h_el * V, o_el * V)
+    if "topk" in head_outputs:
+        widths["topk"] = ((8 + h_el) * k + 4, (8 + o_el) * k + 4)
+    if "draft" in head_outputs and draft_ids is not None:
+        widths["draft"] = (h_el * draft_ids.numel() + 1, o_el * draft_ids.numel() + 1)
+    hidden_bytes = head.hidden_size * head.dtype.itemsize
+    if with_hidden:
+        widths["hidden"] = (0, hidden_bytes)  # the capture itself, already resident
+    staged = sum(w for w, _ in widths.values()) + 4 * head.hidden_size + hidden_bytes
+    kept = sum(w for _, w in widths.values())
+    return staged, kept
+
+
+def plan_supervision_groups(
+    lens: Sequence[int],
+    staged_per_token: int,
+    kept_per_token: int,
+    budget_bytes: int,
+    *,
+    max_tokens: int,
+    min_tokens: int = 1,
+) -> list[list[tuple[int, int, int]]]:
+    """Head-call groups: lists of `(row, start, end)` token pieces that cover every row's
+    `lens[row]` tokens once, in row-major order (a row may span groups).
+
+    While a group of s tokens is copied into the fields, memory holds the fields written so
+    far, the group's staged results (s * staged_per_token) and its new field pages. Sizing
+    every group by s * staged_per_token <= budget_bytes + kept_per_token * after, where `after`
+    counts the tokens of the groups that follow, keeps that sum within budget_bytes of the
+    fields' final size at every step. Groups are planned from the last one backwards, so they
+    shrink towards the end and the first group takes what is left; sizes are clamped to
+    [min_tokens, max_tokens] (a first group smaller than the second shares its tokens).
+    staged_per_token 0 (nothing staged: the fields are the head's outputs) gives groups of
+    max_tokens.
+    """
+    total = int(sum(lens))
+    if staged_per_token < 0 or kept_per_token < 0 or budget_bytes < 0:
+        raise ValueError("plan_supervision_groups: bytes per token and budget must be >= 0")
+    if max_tokens < 1 or not 1 <= min_tokens <= max_tokens:
+        raise ValueError("plan_supervision_groups: need 1 <= min_tokens <= max_tokens")
+    sizes: list[int] = []
+    after = 0
+    while after < total:
+        if staged_per_token:
+            s = (budget_bytes + kept_per_token * after) // staged_per_token
+        else:
+            s = max_tokens
+        s = min(max(s, min_tokens), max_tokens, total - after)
+        sizes.append(s)
+        after += s
+    sizes.reverse()
+    if len(sizes) > 1 and sizes[0] < sizes[1]:
+        # The first group took what was left, maybe a sliver: a whole call for it (the weight is
+        # streamed per call), and tiny calls round differently (the CPU fp32 GEMM's per-row
+        # result depends on the row count below ~16). Sharing the first two groups' tokens
+        # evenly keeps both within the second group's bound, which the first one's exceeds.
+        pair = sizes[0] + sizes[1]
+        sizes[0], sizes[1] = pair - pair // 2, pair // 2
+    groups: list[list[tuple[int, int, int]]] = []
+    row, pos = 0, 0
+    for s in sizes:
+        pieces = []
+        while s:
+            while pos == lens[row]:
+                row, pos = row + 1, 0
+            take = min(s, lens[row] - pos)
+            pieces.append((row, pos, pos + take))
+            pos += take
+            s -= take
+        groups.append(pieces)
+    return groups
+
+
+_LAZY_ZEROS_MIN_BYTES = 1 << 20
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """`torch.zeros(shape)`, but on CPU without writing the zeros.
+
+    `torch.zeros` allocates and then memsets every byte: for a [8, 1024, 151936] fp32 logits
+    buffer that is 5 GB written (and resident) before the head writes it again, pad rows
+    included. numpy's zeros uses calloc, whose large blocks are fresh pages that the kernel
+    zero-fills on first touch, so pages nobody writes (pad rows) cost nothing and never become
+    resident, and the rest are written once. Small buffers and other devices use torch.zeros.
+    """
+    device = torch.device(device)
+    numel = math.prod(int(n) for n in shape)
+    twin = NUMPY_TWINS.get(dtype)
+    nbytes = numel * dtype.itemsize
+    if device.type != "cpu" or twin is None or nbytes < _LAZY_ZEROS_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    out = torch.from_numpy(np.zeros(tuple(int(n) for n in shape), dtype=twin))
+    return out.view(dtype) if out.dtype != dtype else out
