@@ -94,7 +94,7 @@ def _child(spec: str) -> int:
     """Instrument, then run the real CLI; print the timers and the pipeline's own run record."""
     d = json.loads(spec)
     from eagle_fast import cli, head
-    from eagle_fast import extract as ex
+    from eagle_fast.pipeline import run as ex
     from eagle_fast.runners import _vllm_compat as compat
     from eagle_fast.runners import base
 

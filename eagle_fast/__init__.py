@@ -21,7 +21,7 @@ _LAZY = {
     "HFTargetRunner": "eagle_fast.runners.hf",
     "VLLMTargetRunner": "eagle_fast.runners.vllm",
     "TargetHead": "eagle_fast.head",
-    "Eagle3Dataset": "eagle_fast.dataset",
+    "Eagle3Dataset": "eagle_fast.store.dataset",
 }
 
 # The names of _LAZY plus __version__ (tests/test_packaging.py checks they agree).

@@ -15,7 +15,15 @@ import sys
 from pathlib import Path
 
 from eagle_fast import __version__
+from eagle_fast.demo import run_demo
 from eagle_fast.errors import UserError
+from eagle_fast.pipeline.config import ExtractConfig
+from eagle_fast.pipeline.inspect import inspect_text
+from eagle_fast.pipeline.merge import merge
+from eagle_fast.pipeline.run import extract
+from eagle_fast.pipeline.verify import verify, verify_report
+from eagle_fast.store.manifest import MANIFEST_NAME, read_manifest
+from eagle_fast.vocab import build_vocab
 
 EXAMPLES = """\
 examples:
@@ -99,7 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_extract(a: argparse.Namespace) -> int:
-    from eagle_fast.extract import ExtractConfig, extract
 
     cfg = ExtractConfig(
         model=a.model, data=a.data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
@@ -115,27 +122,12 @@ def cmd_extract(a: argparse.Namespace) -> int:
 
 
 def cmd_vocab(a: argparse.Namespace) -> int:
-    from eagle_fast.vocab import build_vocab
 
     build_vocab(a.model, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong)
     return 0
 
 
-def verify_report(ok: bool, reports, picks, directory: str) -> str:
-    lines = [f"verify {directory}: recomputed samples {picks} with HFTargetRunner",
-             f"  {'field':<22} {'check':<6} {'max error':>12} {'limit':>12}  result"]
-    for r in reports:
-        value = f"{r.value:.3e}" if r.kind == "float" else (f"{100 * r.value:.2f}%" if r.kind == "rate"
-                                                            else f"{int(r.value)} diff")
-        limit = f"{r.limit:.3e}" if r.kind == "float" else (f"{100 * r.limit:.2f}%" if r.kind == "rate"
-                                                            else "exact")
-        lines.append(f"  {r.name:<22} {r.kind:<6} {value:>12} {limit:>12}  {'ok' if r.ok else 'FAIL'}")
-    lines.append("verify: PASS" if ok else "verify: FAIL (errors beyond tolerance)")
-    return "\n".join(lines)
-
-
 def cmd_verify(a: argparse.Namespace) -> int:
-    from eagle_fast.extract import verify
 
     if a.samples < 1:
         raise UserError(f"--samples must be at least 1, got {a.samples}", "pass e.g. --samples 8")
@@ -145,8 +137,6 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from eagle_fast.extract import inspect_text
-    from eagle_fast.manifest import MANIFEST_NAME, read_manifest
 
     if a.json:
         read_manifest(a.dir)  # validates
@@ -157,7 +147,6 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_merge(a: argparse.Namespace) -> int:
-    from eagle_fast.extract import merge
 
     m = merge(a.dir, a.parts)
     print(f"merged {len(m['shards'])} shards ({m['num_samples']:,} samples) into {a.dir}/manifest.json")
@@ -165,7 +154,6 @@ def cmd_merge(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    from eagle_fast.demo import run_demo
 
     return run_demo(engine=a.engine, out=a.out, cache=a.cache)
 

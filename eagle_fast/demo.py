@@ -24,6 +24,13 @@ import shutil
 import time
 from pathlib import Path
 
+from eagle_fast.pipeline.config import ExtractConfig, log, resolve_engine
+from eagle_fast.pipeline.run import extract
+from eagle_fast.pipeline.verify import verify, verify_report
+from eagle_fast.store.manifest import MANIFEST_NAME
+from eagle_fast.tiny import TinySpec, build_tiny_checkpoint
+from eagle_fast.vocab import build_vocab
+
 DEMO_DRAFT_VOCAB = 1024
 DEMO_MAX_LEN = 512
 
@@ -38,7 +45,6 @@ def demo_data_path() -> Path:
 
 
 def demo_spec():
-    from eagle_fast.tiny import TinySpec
 
     # Qwen3-style: hidden 256, 4 layers, GQA 4/2 heads of 64 (a vLLM-CPU head size), tied head,
     # 8,219-token vocabulary (not a power of two), fp32 so transformers and vLLM agree to ~1e-6.
@@ -49,17 +55,12 @@ def demo_spec():
 
 
 def build_demo_model(cache: Path) -> Path:
-    from eagle_fast.tiny import build_tiny_checkpoint
 
     spec = demo_spec()
     return build_tiny_checkpoint(cache / "models" / f"demo-{spec.key()}", spec)
 
 
 def run_demo(engine: str = "auto", out: str | None = None, cache: str | None = None) -> int:
-    from eagle_fast.cli import verify_report
-    from eagle_fast.extract import ExtractConfig, extract, log, resolve_engine, verify
-    from eagle_fast.manifest import MANIFEST_NAME
-    from eagle_fast.vocab import build_vocab
 
     t0 = time.perf_counter()
     # Keep the demo's output readable: vLLM logs engine steps at INFO and a harmless

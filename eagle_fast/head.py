@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+
+from eagle_fast.kernels import lm_head, lm_head_logits
 
 __all__ = ["HeadSpec", "TargetHead", "head_spec_from_config", "text_config"]
 
@@ -178,7 +181,6 @@ def _weight_files(model_path: Path) -> dict[str, Path]:
         raise FileNotFoundError(
             f"TargetHead: no model.safetensors.index.json and no *.safetensors in {model_path}"
         )
-    from safetensors import safe_open
 
     out: dict[str, Path] = {}
     for f in files:
@@ -385,7 +387,6 @@ class TargetHead:
         `eagle_fast.kernels.lm_head` for each output. `final_hidden` is moved to the head's
         device and dtype; `draft_ids` to the head's device.
         """
-        from eagle_fast.kernels import lm_head
 
         if draft_ids is not None:
             draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).to(self.device)
@@ -414,7 +415,6 @@ class TargetHead:
         the head's device. impl="auto"/"torch" runs `lm_head_logits` (no reductions); "triton"
         the fused kernel.
         """
-        from eagle_fast.kernels import lm_head_logits
 
         if impl == "triton":
             logits = self.compute(final_hidden, ("logits",), impl=impl).logits
@@ -455,7 +455,6 @@ def _load_tensors(
     files: Mapping[str, Path], names: set, *, dtype, device
 ) -> dict[str, torch.Tensor]:
     """Read `names` from their safetensors files, one open per file, nothing else."""
-    from safetensors import safe_open
 
     by_file: dict[Path, list[str]] = {}
     for name in names:

@@ -15,12 +15,15 @@ a cache dir is either complete or absent.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -83,7 +86,6 @@ class TinySpec:
     tokenizer_vocab: int = 600  # BPE size; must be <= vocab_size
 
     def key(self) -> str:
-        import hashlib
 
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return f"{self.arch}-h{self.hidden_size}-l{self.num_hidden_layers}-v{self.vocab_size}-" + (
@@ -141,7 +143,6 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(
 
     Returns the directory. An existing complete directory is left as it is.
     """
-    import torch
 
     out = Path(out_dir)
     if (out / "config.json").exists() and (out / ".complete").exists():

@@ -32,9 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
+from eagle_fast.checkpoint import load_model_info, special_token_ids
 from eagle_fast.errors import UserError
-from eagle_fast.manifest import atomic_write_bytes
+from eagle_fast.files import atomic_write_bytes
+from eagle_fast.inputs import LazyTokenizer, plan_inputs, resolve_max_len
+from eagle_fast.store.safetensors import write_safetensors
 
 
 @dataclass
@@ -112,7 +116,6 @@ def save_draft_vocab(path: str | os.PathLike, vocab: DraftVocab) -> Path:
         "selected_token_ids": vocab.ids.clone(),
     }
     if p.suffix == ".safetensors":
-        from eagle_fast.formats import write_safetensors
 
         tensors["target_vocab_size"] = torch.tensor([vocab.target_vocab_size], dtype=torch.int64)
         write_safetensors(p, tensors)
@@ -175,7 +178,6 @@ def load_draft_vocab(path: str | os.PathLike, vocab_size: int | None = None) -> 
         raise UserError(f"draft vocabulary file {p} not found", "create it with `eagle-fast vocab ... --out FILE`")
     try:
         if p.suffix == ".safetensors":
-            from safetensors.torch import load_file
 
             data = dict(load_file(str(p)))
         else:
@@ -194,13 +196,6 @@ def load_draft_vocab(path: str | os.PathLike, vocab_size: int | None = None) -> 
 def build_vocab(model: str, data: str, size: int, out: str, *, max_len: int | None = None,
                 overlong: str = "truncate", log=print) -> DraftVocab:
     """`eagle-fast vocab`: tokenise `data` the way `extract` does, count, select, save."""
-    from eagle_fast.extract import (
-        LazyTokenizer,
-        load_model_info,
-        plan_inputs,
-        resolve_max_len,
-        special_token_ids,
-    )
 
     info = load_model_info(model)
     tok = LazyTokenizer(model)

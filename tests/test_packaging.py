@@ -11,6 +11,7 @@ Subprocesses run from a temp dir so the repository's source tree is not on sys.p
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -46,10 +47,15 @@ def test_editable_install_exposes_kernels_only_under_eagle_fast(tmp_path):
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    # Built from a copy of the sources: setuptools reuses an in-tree build/ directory, which
+    # would ship modules deleted since it was made.
     out = tmp_path_factory.mktemp("wheel")
+    src = tmp_path_factory.mktemp("src") / "eagle-fast"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "bench", "tests"))
     res = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(out), str(REPO)],
+         "-w", str(out), str(src)],
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert res.returncode == 0, res.stderr
@@ -66,6 +72,17 @@ def test_wheel_has_no_top_level_kernels(wheel):
     top_level_txt = [n for n in names if n.endswith("top_level.txt")]
     for n in top_level_txt:
         assert zipfile.ZipFile(wheel).read(n).decode().split() == ["eagle_fast"]
+
+
+def test_wheel_holds_every_module_of_the_tree(wheel):
+    # Every source file under eagle_fast/ and kernels/ ships (a subpackage missing from
+    # pyproject's `packages` would install a package that cannot import its own stages).
+    root = Path(__file__).resolve().parents[1]
+    want = {p.relative_to(root).as_posix() for p in (root / "eagle_fast").rglob("*.py")}
+    want |= {"eagle_fast/kernels/" + p.name for p in (root / "kernels").glob("*.py")}
+    names = {n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    assert not want - names, sorted(want - names)
+    assert not names - want, f"the wheel ships modules the tree no longer has: {sorted(names - want)}"
 
 
 def test_wheel_install_imports_kernels(wheel, tmp_path):

@@ -9,7 +9,7 @@ import torch
 from _pipeline import chat_lines, write_jsonl
 
 from eagle_fast.errors import UserError
-from eagle_fast.extract import load_tokenizer, plan_inputs
+from eagle_fast.inputs import load_tokenizer, plan_inputs
 from eagle_fast.vocab import (
     DraftVocab,
     count_tokens,

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +304,6 @@ def read_hidden_states(path: str, timeout_s: float = 600.0) -> dict[str, torch.T
 
     The files are removed even when loading fails.
     """
-    from safetensors.torch import load_file
 
     try:
         _wait_written(path, timeout_s)

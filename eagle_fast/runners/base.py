@@ -27,12 +27,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from eagle_fast.dtypes import parse_dtype
+from eagle_fast.head import TargetHead, text_config
 from eagle_fast.supervision import SUPERVISION_OUTPUTS, PaddedFields, Supervision, supervise, zeros
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
-
-    from eagle_fast.head import TargetHead
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +172,6 @@ def validate_sequences(
 def resolve_dtype(config: Any, dtype: torch.dtype | str | None) -> torch.dtype:
     """The dtype the target runs in: `dtype` if given, else the checkpoint's (config `dtype` /
     `torch_dtype`), else fp32. Passed explicitly to every engine, so runners agree."""
-    from eagle_fast.head import text_config
 
     if dtype is None:
         for cfg in (config, text_config(config)):
@@ -193,7 +191,6 @@ def load_config_and_head(
     """
     from transformers import AutoConfig
 
-    from eagle_fast.head import TargetHead
 
     config = AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
     dtype = resolve_dtype(config, dtype)
@@ -244,7 +241,6 @@ class RunnerBase:
         device: torch.device,
         max_model_len: int,
     ) -> None:
-        from eagle_fast.head import text_config
 
         self.model_path = str(model_path)
         self.config = config

@@ -19,7 +19,9 @@ import inspect
 from typing import Any
 
 import torch
+from torch import nn
 
+from eagle_fast.head import text_config
 from eagle_fast.runners.base import RunnerBase, load_config_and_head, unpad
 
 __all__ = ["HFTargetRunner"]
@@ -27,7 +29,6 @@ __all__ = ["HFTargetRunner"]
 
 def _decoder_layers(model) -> list:
     """Decoder layers as a list, for the layouts NeMo's HF backend supports."""
-    from torch import nn
 
     candidates = (
         ("model", "layers"),
@@ -72,7 +73,6 @@ class HFTargetRunner(RunnerBase):
         """
         from transformers import AutoModelForCausalLM
 
-        from eagle_fast.head import text_config
 
         config, dtype, head = load_config_and_head(
             model_path, dtype, device,

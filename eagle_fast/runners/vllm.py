@@ -38,8 +38,14 @@ from typing import Any
 
 import torch
 
+from eagle_fast.head import text_config
 from eagle_fast.runners import _vllm_compat as compat
-from eagle_fast.runners.base import RunnerBase, capture_plan, load_config_and_head
+from eagle_fast.runners.base import (
+    RunnerBase,
+    capture_plan,
+    load_config_and_head,
+    validate_sequences,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +166,6 @@ class VLLMTargetRunner(RunnerBase):
         head_device: where the head runs (default: CUDA when available, else CPU).
         head_overrides: `TargetHead` overrides for unknown architectures (norm, eps, logit_scale, softcap).
         """
-        from eagle_fast.head import text_config
 
         version = compat.check_version()
         kwargs = dict(vllm_kwargs or {})
@@ -371,7 +376,6 @@ class VLLMTargetRunner(RunnerBase):
         Position t's entry is the distribution after tokens [0, t), i.e. our row t-1.
         """
         self._require_aux()
-        from eagle_fast.runners.base import validate_sequences
 
         seqs = validate_sequences(sequences, self.max_model_len, self.head.vocab_size)
         outputs, captures = self._generate(seqs, prompt_logprobs=int(num_logprobs))

@@ -26,13 +26,10 @@ import torch
 from torch.utils.data import Dataset
 
 from eagle_fast.errors import UserError
-from eagle_fast.formats import SamplePlan, make_layout, spec_from_manifest
-from eagle_fast.manifest import (
-    check_file_cheap,
-    check_file_full,
-    iter_files,
-    read_manifest,
-)
+from eagle_fast.inputs import SamplePlan
+from eagle_fast.store import make_layout, spec_from_manifest
+from eagle_fast.store.manifest import check_file_cheap, check_file_full, iter_files, read_manifest
+from eagle_fast.store.safetensors import open_safetensors as _safe_open
 
 
 class Eagle3Dataset(Dataset):
@@ -102,7 +99,6 @@ class Eagle3Dataset(Dataset):
         """Token count of sample `index` (unpadded)."""
         rec, local = self._locate(index)
         if self.layout.name == "native":
-            from eagle_fast.formats import _safe_open
 
             h = _safe_open(self.root / rec["files"][0]["path"], self._h())
             off = h.get_slice("offsets")[local: local + 2]

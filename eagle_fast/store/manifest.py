@@ -21,16 +21,20 @@ shards; volatile run statistics live under "runs" and are excluded from comparis
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from eagle_fast.errors import UserError
+from eagle_fast.files import (
+    read_json,
+    read_safetensors_header,
+    sha256_bytes,
+    sha256_file,
+)
 
 FORMAT_NAME = "eagle-fast"
 FORMAT_VERSION = 1
@@ -38,91 +42,6 @@ MANIFEST_NAME = "manifest.json"
 PART_RE = re.compile(r"^manifest\.part-(\d+)-of-(\d+)\.json$")
 # Top-level keys that describe one particular invocation, not the dataset's content.
 VOLATILE_KEYS = ("runs",)
-
-
-# ----------------------------------------------------------------------------- files
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Persist a directory entry (a rename or a new file) on POSIX filesystems."""
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def temp_path_for(path: str | os.PathLike, tag: str = "") -> Path:
-    """The temp name a file is written under before its atomic rename (same directory).
-
-    Hidden (leading dot) so no reader globbing for shards picks it up; `tag` keeps writers
-    of the same file on different nodes (a shared sidecar) from sharing a temp file.
-    """
-    p = Path(path)
-    return p.with_name(f".{p.name}.{tag}.tmp" if tag else f".{p.name}.tmp")
-
-
-def commit_temp(tmp: Path, final: Path) -> None:
-    """fsync `tmp`, rename it over `final`, fsync the directory."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    final = Path(path)
-    tmp = temp_path_for(final)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-
-
-def canonical_json(obj: Any) -> str:
-    """Deterministic JSON (sorted keys, fixed indent): equal content gives equal bytes."""
-    return json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=True) + "\n"
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_bytes(path, canonical_json(obj).encode())
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 23) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            if not block:
-                break
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, bytes]:
-    """(parsed header, raw header bytes) of a safetensors file, reading only the header."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 * (1 << 20):
-            raise ValueError(f"{path}: not a safetensors file (header size {n})")
-        raw = f.read(n)
-    if len(raw) != n:
-        raise ValueError(f"{path}: truncated safetensors header")
-    return json.loads(raw.decode()), raw
 
 
 def file_record(path: str | os.PathLike, root: str | os.PathLike) -> dict:
@@ -175,13 +94,8 @@ def manifest_name(part: tuple[int, int] | None) -> str:
 
 
 def load_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(
-            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})",
-            "restore it from a backup, or delete the dataset directory and extract again",
-        ) from None
+    """A manifest file's JSON; a UserError naming the file when it is not JSON."""
+    return read_json(path, "restore it from a backup, or delete the dataset directory and extract again")
 
 
 def eagle_section(manifest: dict) -> dict:

@@ -1,0 +1,358 @@
+"""Inputs: a jsonl of samples in, planned token sequences out (stage 1 of the data flow).
+
+- Read and validate every line (input_ids [+ loss_mask] | text | chat `messages` | ShareGPT
+  `conversations`); the first bad line stops the run with file:line and the reason, before
+  anything is written.
+- Tokenise with the model's tokenizer, loaded only when a line needs it (input_ids lines do
+  not). Chat messages go through the model's own chat template; the loss mask covers assistant
+  tokens only (the template's {% generation %} blocks when it has them, else each assistant
+  turn's rendered span). Samples longer than `max_len` (`resolve_max_len`) are truncated or
+  skipped, and counted.
+- Plan: kept samples, in file order, form the global sample index; shard g holds samples
+  [g*S, (g+1)*S), so any split of nodes produces the same shards as one run. Within a shard,
+  samples are sorted by length and packed into batches under a token budget, so batch
+  composition (and every floating-point result) depends only on the shard's content.
+Limits: the whole jsonl is read and tokenised up front (every node does it, so all agree on
+the sample index).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle_fast.errors import UserError, bad_line
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
+_GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# ------------------------------------------------------------------------------ inputs
+
+
+@dataclass
+class Record:
+    line: int
+    kind: str          # input_ids | text | messages
+    value: Any
+    loss_mask: list[int] | None = None
+
+
+_FIX_FORMAT = ('make each line one JSON object with "messages" (chat), "text", or "input_ids" '
+               '(+ optional "loss_mask")')
+
+
+def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dict]:
+    key = "conversations" if sharegpt else "messages"
+    if not isinstance(msgs, list):
+        raise bad_line(path, line, f'"{key}" must be a list of messages, got {type(msgs).__name__}', _FIX_FORMAT)
+    if not msgs:
+        raise bad_line(path, line, f'empty "{key}" list', "drop the line or give it at least one message")
+    out = []
+    for i, m in enumerate(msgs, 1):
+        if not isinstance(m, dict):
+            raise bad_line(path, line, f"message {i} is a {type(m).__name__}, not an object", _FIX_FORMAT)
+        role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
+        role = m.get(role_key)
+        allowed = SHAREGPT_ROLES if sharegpt else ROLES
+        if role not in allowed:
+            raise bad_line(
+                path, line, f"unknown role {role!r} in message {i}",
+                f"use one of {', '.join(sorted(allowed) if sharegpt else ROLES)}",
+            )
+        content = m.get(content_key)
+        if not isinstance(content, str):
+            raise bad_line(path, line, f'message {i} has no string "{content_key}"',
+                       f'give every message a "{content_key}" string')
+        msg = {"role": SHAREGPT_ROLES[role] if sharegpt else role, "content": content}
+        for extra in ("reasoning_content", "tool_calls", "name", "tool_call_id"):
+            if not sharegpt and extra in m:
+                msg[extra] = m[extra]
+        out.append(msg)
+    if not any(m["content"] for m in out):
+        raise bad_line(path, line, "every message is empty", "drop the line or fill in its messages")
+    return out
+
+
+def parse_line(path: str, line: int, raw: str) -> Record:
+    """Validate one jsonl line; raise UserError with file:line and the reason."""
+    if not raw.strip():
+        raise bad_line(path, line, "empty line", "remove blank lines from the file")
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise bad_line(path, line, f"invalid JSON ({exc.msg} at column {exc.colno})", _FIX_FORMAT) from None
+    if not isinstance(obj, dict):
+        raise bad_line(path, line, f"expected a JSON object, got {type(obj).__name__}", _FIX_FORMAT)
+    if "input_ids" in obj:
+        ids = obj["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise bad_line(path, line, '"input_ids" must be a list of integers', _FIX_FORMAT)
+        if not ids:
+            raise bad_line(path, line, 'empty "input_ids"', "drop the line or give it tokens")
+        if min(ids) < 0:
+            raise bad_line(path, line, f"negative token id {min(ids)} in input_ids", "token ids are >= 0")
+        mask = obj.get("loss_mask")
+        if mask is not None:
+            if not isinstance(mask, list) or not all(v in (0, 1) for v in mask):
+                raise bad_line(path, line, '"loss_mask" must be a list of 0/1 (or true/false)', _FIX_FORMAT)
+            if len(mask) != len(ids):
+                raise bad_line(path, line, f"loss_mask has {len(mask)} entries for {len(ids)} input_ids",
+                           "give loss_mask exactly one entry per token")
+            mask = [int(v) for v in mask]
+        return Record(line, "input_ids", ids, mask)
+    if "messages" in obj:
+        return Record(line, "messages", _parse_messages(path, line, obj["messages"], sharegpt=False))
+    if "conversations" in obj:
+        return Record(line, "messages", _parse_messages(path, line, obj["conversations"], sharegpt=True))
+    if "text" in obj:
+        text = obj["text"]
+        if not isinstance(text, str):
+            raise bad_line(path, line, f'"text" must be a string, got {type(text).__name__}', _FIX_FORMAT)
+        if not text.strip():
+            raise bad_line(path, line, 'empty "text"', "drop the line or give it text")
+        return Record(line, "text", text)
+    keys = ", ".join(sorted(obj)) or "none"
+    raise bad_line(path, line, f"no usable field (found keys: {keys})", _FIX_FORMAT)
+
+
+def read_records(path: str | os.PathLike) -> tuple[list[Record], str]:
+    """All records of a jsonl file plus the file's sha256; the first bad line raises."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"data file {p} not found", "pass --data FILE.jsonl (one JSON object per line)")
+    data = p.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise bad_line(str(p), line, "not valid UTF-8", "save the file as UTF-8") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the final newline ends the last line; it does not start a new one
+    if not lines:
+        raise UserError(f"data file {p} is empty", "give it one JSON object per line")
+    return [parse_line(str(p), i, raw) for i, raw in enumerate(lines, 1)], digest
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except Exception as exc:  # noqa: BLE001 - any loader failure means "not a usable tokenizer here"
+        raise UserError(
+            f"cannot load a tokenizer from {model} ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})",
+            "pass --model a Hugging Face checkpoint directory that includes its tokenizer files",
+        ) from None
+
+
+# Files a checkpoint's tokenizer may consist of (model_identity hashes them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+class LazyTokenizer:
+    """The checkpoint's tokenizer, loaded on first use: input_ids lines need none."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._tok = None
+
+    @property
+    def shipped(self) -> bool:
+        """Whether the checkpoint has tokenizer files at all."""
+        return any((Path(self.model) / name).is_file() for name in TOKENIZER_FILES)
+
+    def get(self, where: str | None = None):
+        """The tokenizer; a failure names `where` ("file:line", the line that needs it) if given."""
+        if self._tok is None:
+            try:
+                self._tok = load_tokenizer(self.model)
+            except UserError as exc:
+                if where is None:
+                    raise
+                raise UserError(
+                    f"{where}: this line needs the model's tokenizer, and there is none: {exc.cause}",
+                    f"add the tokenizer files (tokenizer.json, tokenizer_config.json) to {self.model}, "
+                    "or give pre-tokenized input_ids lines",
+                ) from None
+        return self._tok
+
+
+def _chat_template(tok) -> str | None:
+    t = getattr(tok, "chat_template", None)
+    if isinstance(t, dict):
+        t = t.get("default", next(iter(t.values()), None))
+    return t
+
+
+def _render_ids(tok, messages: list[dict], **kw) -> list[int]:
+    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
+    return list(out["input_ids"])
+
+
+def tokenize_record(rec: Record, tok, path: str) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) for one record; `tok` is a tokenizer or a LazyTokenizer."""
+    if rec.kind == "input_ids":
+        ids = list(rec.value)
+        return ids, list(rec.loss_mask) if rec.loss_mask is not None else [1] * len(ids)
+    if isinstance(tok, LazyTokenizer):
+        tok = tok.get(f"{path}:{rec.line}")
+    if rec.kind == "text":
+        ids = list(tok(rec.value)["input_ids"])
+        return ids, [1] * len(ids)
+    template = _chat_template(tok)
+    if not template:
+        raise UserError(
+            f"{path}:{rec.line}: chat messages need a chat template, and this tokenizer has none",
+            "add a chat_template to the model's tokenizer_config.json, or give text/input_ids lines",
+        )
+    msgs = rec.value
+    try:
+        if _GENERATION_RE.search(template):
+            out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+            return list(out["input_ids"]), [int(bool(v)) for v in out["assistant_masks"]]
+        # No {% generation %} markers: mark each assistant turn's span, found by rendering
+        # the conversation prefix before it (with the generation prompt) and through it.
+        ids = _render_ids(tok, msgs)
+        mask = [0] * len(ids)
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            start = len(_render_ids(tok, msgs[:i], add_generation_prompt=True)) if i else 0
+            end = len(_render_ids(tok, msgs[: i + 1]))
+            for t in range(start, min(end, len(ids))):
+                mask[t] = 1
+        return ids, mask
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a template error is a problem with this line's data
+        raise bad_line(path, rec.line, f"the chat template failed ({type(exc).__name__}: "
+                   f"{str(exc).splitlines()[0][:160]})", "check the message roles and order") from None
+
+
+@dataclass
+class SamplePlan:
+    """One input sample after tokenisation. `index` is its global position in the dataset."""
+
+    index: int
+    line: int
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class ShardPlan:
+    index: int
+    samples: list[SamplePlan]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+
+@dataclass
+class InputPlan:
+    samples: list[SamplePlan]
+    num_lines: int
+    data_sha256: str
+    truncated: int = 0
+    skipped: int = 0
+    no_loss: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.length for s in self.samples)
+
+
+def plan_inputs(path: str | os.PathLike, tok, vocab_size: int, *, max_len: int, overlong: str) -> InputPlan:
+    """Read, validate and tokenise the whole file; apply the over-long policy."""
+    if max_len < 2:
+        raise UserError(f"--max-len must be at least 2, got {max_len}", "pass e.g. --max-len 2048")
+    if overlong not in ("truncate", "skip"):
+        raise UserError(f"--overlong must be truncate or skip, got {overlong!r}", "pick one of the two")
+    records, digest = read_records(path)
+    plan = InputPlan([], len(records), digest)
+    for rec in records:
+        ids, mask = tokenize_record(rec, tok, str(path))
+        if not ids:
+            raise bad_line(str(path), rec.line, "tokenises to zero tokens", "drop the line or give it content")
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise bad_line(str(path), rec.line, f"token id {bad[0]} is outside the model's vocabulary "
+                       f"[0, {vocab_size})", "tokenise with this model's tokenizer")
+        if len(ids) > max_len:
+            if overlong == "skip":
+                plan.skipped += 1
+                continue
+            ids, mask = ids[:max_len], mask[:max_len]
+            plan.truncated += 1
+        if not any(mask):
+            plan.no_loss += 1
+        plan.samples.append(SamplePlan(len(plan.samples), rec.line, ids, mask))
+    if not plan.samples:
+        raise UserError(
+            f"no sample of {path} fits --max-len {max_len} (all {plan.skipped} skipped)",
+            "raise --max-len or use --overlong truncate",
+        )
+    return plan
+
+
+def plan_shards(samples: list[SamplePlan], shard_size: int) -> list[ShardPlan]:
+    return [ShardPlan(g, samples[g * shard_size: (g + 1) * shard_size])
+            for g in range(math.ceil(len(samples) / shard_size))]
+
+
+def plan_batches(shard: ShardPlan, batch_tokens: int) -> list[list[int]]:
+    """Local sample indices per batch: longest first, packed under `batch_tokens` tokens.
+
+    A sample longer than the budget gets a batch of its own. Depends only on the shard.
+    """
+    order = sorted(range(len(shard.samples)), key=lambda i: (-shard.samples[i].length, i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        n = shard.samples[i].length
+        if cur and used + n > batch_tokens:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+DEFAULT_MAX_LEN = 2048
+
+
+def resolve_max_len(max_len: int | None, max_positions: int | None) -> int:
+    """The longest sample to keep: `max_len` checked against the model, or the default.
+
+    The default is min(DEFAULT_MAX_LEN, max_positions - 1): vLLM generates one token past the
+    prompt, so default_runner_factory sizes its engine max_model_len = longest + 1, and that
+    must fit the model. An explicit value may take every position (the hf engine runs it;
+    `prepare` refuses a vLLM run whose longest sample does).
+    """
+    if max_len is None:
+        return min(DEFAULT_MAX_LEN, int(max_positions) - 1) if max_positions else DEFAULT_MAX_LEN
+    if max_positions and max_len > int(max_positions):
+        raise UserError(f"--max-len {max_len} exceeds the model's max_position_embeddings {max_positions}",
+                        f"pass --max-len {max_positions} or less, or leave it out (default "
+                        f"{resolve_max_len(None, max_positions)} for this model)")
+    return max_len

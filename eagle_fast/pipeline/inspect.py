@@ -1,0 +1,63 @@
+"""`eagle-fast inspect`: a human summary of a dataset directory (what, how big, how done)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle_fast.pipeline.config import _fmt_bytes
+from eagle_fast.store.dataset import Eagle3Dataset
+from eagle_fast.store.manifest import (
+    MANIFEST_NAME,
+    eagle_section,
+    list_part_manifests,
+    load_json,
+    part_slice,
+    read_manifest,
+)
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def inspect_text(directory: str) -> str:
+
+    root = Path(directory)
+    parts = list_part_manifests(root) if root.is_dir() else []
+    if root.is_dir() and not (root / MANIFEST_NAME).exists() and parts:
+        lines = [f"{root}: per-node parts, not merged yet"]
+        for index, count, path in parts:
+            m = eagle_section(load_json(path))
+            owned = len(part_slice(m["num_shards"], (index, count)))
+            lines.append(f"  part {index}/{count}: {len(m['shards'])}/{owned} shards"
+                         + (" complete" if m.get("complete") else ""))
+        lines.append(f"run `eagle-fast merge {root}` when every part is complete")
+        return "\n".join(lines)
+    m = read_manifest(root)
+    done = m["shards"]
+    tokens = sum(r["tokens"] for r in done)
+    nbytes = sum(f["bytes"] for r in done for f in r["files"])
+    sup = m["supervision"]
+    lines = [
+        f"dataset     {root}",
+        f"layout      {m['layout']} (eagle-fast {m['tool_version']}, format v{m['format_version']})",
+        (f"model       {m['model']['id']} ({', '.join(m['model']['architectures']) or '?'}; "
+         f"{m['model']['num_hidden_layers']} layers, hidden {m['model']['hidden_size']}, "
+         f"vocab {m['model']['vocab_size']:,})"),
+        f"engine      {m['settings']['engine']}, dtype {m['settings']['dtype']}, aux layers {m['aux_layer_ids']}",
+        f"supervision {sup['kind']}" + (f", k={sup['k']}" if sup["k"] else "")
+        + (f", draft vocab {sup['draft_vocab_size']:,}" if sup["draft_vocab_size"] else ""),
+        (f"data        {m['data']['path']} ({m['data']['lines']:,} lines; {m['data']['truncated']} truncated, "
+         f"{m['data']['skipped']} skipped at max_len {m['settings']['max_len']})"),
+        f"samples     {m['num_samples']:,} ({m['num_tokens']:,} tokens), {len(done)}/{m['num_shards']} shards "
+        + ("complete" if m.get("complete") else "[INCOMPLETE: re-run the extract command to resume]"),
+        f"on disk     {_fmt_bytes(nbytes)}, {nbytes / max(tokens, 1):,.0f} bytes/token",
+        "fields      " + ", ".join(f"{k} {v['dtype']}[{', '.join(map(str, v['shape']))}]"
+                                  for k, v in m["fields"].items()),
+    ]
+    if m.get("complete"):
+        ds = Eagle3Dataset(directory)
+        lengths = [ds.length(i) for i in range(len(ds))]
+        lines.append(f"lengths     min {min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)}")
+    for r in m.get("runs", [])[-3:]:
+        lines.append(f"run         {r['samples']:,} samples on {r['engine']} at {r['tokens_per_second'] or 0:,.0f} "
+                     f"tokens/s (build {r['build_seconds']:.1f} s)")
+    return "\n".join(lines)

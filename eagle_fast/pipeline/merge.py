@@ -1,0 +1,169 @@
+"""`eagle-fast merge`: combine the complete part manifests of `--shard I/N` runs into one.
+
+Parts are read from the output directory itself (nodes wrote into one shared directory) and
+from each source directory (nodes wrote locally); their files are hard-linked (or copied) into
+place and checked against their recorded checksums. The merged dataset is byte-identical to a
+single run's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from eagle_fast.errors import UserError
+from eagle_fast.files import atomic_write_json, fsync_dir, sha256_file, temp_path_for
+from eagle_fast.store import spec_from_manifest
+from eagle_fast.store.manifest import (
+    MANIFEST_NAME,
+    diff_settings,
+    eagle_section,
+    list_part_manifests,
+    load_json,
+    part_slice,
+    read_manifest,
+)
+from eagle_fast.store.nemo import nemo_manifest_fields
+from eagle_fast.store.speculators import write_speculators_arrow
+
+# ------------------------------------------------------------------------------ merge
+
+
+def merge(out: str, sources: list[str] | None = None) -> dict:
+    """Combine complete per-node part manifests into `out/manifest.json`.
+
+    Parts are read from `out` itself (nodes wrote into one shared directory) and from each
+    directory in `sources` (nodes wrote locally); their files are hard-linked (or copied)
+    into `out` and checked against their recorded checksums.
+    """
+    root = Path(out)
+    root.mkdir(parents=True, exist_ok=True)
+    parts: dict[int, tuple[dict, Path]] = {}
+    counts = set()
+    for src in [root] + [Path(s) for s in (sources or [])]:
+        if not src.is_dir():
+            raise UserError(f"{src} is not a directory", "pass the --out directories of the per-node runs")
+        found = list_part_manifests(src)
+        if not found and src != root:
+            raise UserError(f"{src} holds no part manifest (manifest.part-I-of-N.json)",
+                            "pass directories written by `eagle-fast extract --shard I/N`")
+        for index, count, path in found:
+            m = eagle_section(load_json(path))
+            counts.add(count)
+            if index in parts and parts[index][1] != src:
+                prev = parts[index][0]
+                if diff_settings(prev["settings"], m["settings"]) or prev["shards"] != m["shards"]:
+                    raise UserError(f"part {index}/{count} appears in {parts[index][1]} and {src} with "
+                                    "different contents", "pass each part's directory once")
+                continue
+            parts[index] = (m, src)
+    if not parts:
+        if (root / MANIFEST_NAME).exists():
+            m = read_manifest(root)
+            if m.get("complete"):
+                return m
+        raise UserError(f"no part manifests found in {root}", "pass the directories of the --shard I/N runs")
+    if len(counts) != 1:
+        raise UserError(f"parts disagree on N ({sorted(counts)})", "merge parts of one --shard I/N split")
+    count = counts.pop()
+    missing = [i for i in range(count) if i not in parts]
+    if missing:
+        raise UserError(f"parts {missing} of {count} are missing", "run the missing --shard I/N nodes first")
+    first = parts[0][0]
+    for i, (m, src) in sorted(parts.items()):
+        diffs = diff_settings(first["settings"], m["settings"])
+        if diffs:
+            raise UserError(f"part {i}/{count} ({src}) was made with different settings: {'; '.join(diffs[:4])}",
+                            "re-run that node with the same command as the others")
+        if not m.get("complete"):
+            raise UserError(f"part {i}/{count} ({src}) is incomplete "
+                            f"({len(m['shards'])}/{len(part_slice(m['num_shards'], (i, count)))} shards)",
+                            f"re-run `eagle-fast extract ... --shard {i}/{count}` to finish it")
+    shards: dict[int, dict] = {}
+    for i, (m, src) in sorted(parts.items()):
+        for rec in m["shards"]:
+            for f in rec["files"]:
+                _bring(src / f["path"], root / f["path"], f)
+            shards[int(rec["index"])] = rec
+    if sorted(shards) != list(range(first["num_shards"])):
+        raise UserError("the parts do not cover every shard exactly once", "re-run the split with one N")
+    extra = {}
+    for i, (m, src) in sorted(parts.items()):
+        for f in m.get("extra_files", []):
+            if f["path"] not in extra:
+                _bring(src / f["path"], root / f["path"], f)
+                extra[f["path"]] = f
+    merged = {k: v for k, v in first.items()}
+    merged["part"] = None
+    merged["shards"] = [shards[g] for g in sorted(shards)]
+    merged["extra_files"] = [extra[k] for k in sorted(extra)]
+    merged["complete"] = True
+    merged["runs"] = [r for _, (m, _) in sorted(parts.items()) for r in m.get("runs", [])]
+    spec = spec_from_manifest(merged)
+    if merged["layout"] == "nemo":
+        selected = None
+        if merged["supervision"]["draft_vocab_size"]:
+
+            selected = load_file(str(root / "draft_vocab.safetensors"))["selected_token_ids"].tolist()
+        body = nemo_manifest_fields(spec, model_id=merged["model"]["id"], data_path=merged["data"]["path"],
+                                    num_samples=merged["num_samples"], shard_size=merged["shard_size"],
+                                    aux_layer_ids=merged["aux_layer_ids"], draft_ids=selected)
+        body["eagle_fast"] = merged
+        atomic_write_json(root / MANIFEST_NAME, body)
+    else:
+        atomic_write_json(root / MANIFEST_NAME, merged)
+    for _, _, path in list_part_manifests(root):
+        path.unlink()
+    fsync_dir(root)
+    if merged["layout"] == "speculators":
+        _speculators_arrow_from_files(root, merged)
+    return merged
+
+
+def _speculators_arrow_from_files(root: Path, m: dict) -> None:
+
+    pairs = []
+    for rec in m["shards"]:
+        for f in rec["files"]:
+            with safe_open(str(root / f["path"]), framework="pt") as h:  # ids and mask only
+                pairs.append((h.get_tensor("token_ids").tolist(),
+                              h.get_tensor("loss_mask").to(torch.int64).tolist()))
+    write_speculators_arrow(root, pairs)
+
+
+def _bring(src: Path, dst: Path, rec: dict) -> None:
+    """Put `src` at `dst` (hard link, else copy), verified against its manifest record."""
+    if src.resolve() == dst.resolve():
+        reason = _check_path(dst, rec)
+        if reason:
+            raise UserError(f"cannot merge: {reason}", "re-run the node that wrote it")
+        return
+    if not src.exists():
+        raise UserError(f"cannot merge: {src} is missing", "re-run the node that wrote it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(dst)
+    if tmp.exists():
+        tmp.unlink()
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    reason = _check_path(tmp, rec)
+    if reason:
+        tmp.unlink()
+        raise UserError(f"cannot merge {src}: {reason}", "re-run the node that wrote it")
+    os.replace(tmp, dst)
+
+
+def _check_path(path: Path, rec: dict) -> str | None:
+
+    if not path.exists():
+        return f"{rec['path']} is missing"
+    if path.stat().st_size != rec["bytes"] or sha256_file(path) != rec["sha256"]:
+        return f"{rec['path']} does not match its recorded size/sha256"
+    return None

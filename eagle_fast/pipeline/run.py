@@ -1,0 +1,333 @@
+"""Run an extraction: engine calls on the main thread, shard writes on a writer thread.
+
+The main thread calls the engine (`runner.capture`, one call per batch) and `supervise` on the
+batch's final hidden states, then hands per-sample results to a writer thread through a
+bounded queue; the writer encodes them for the layout, pwrites them into preallocated shard
+files, commits each shard (fsync + rename) and rewrites the manifest. The engine never waits
+on disk unless the queue is full. Resumed, split and single runs write byte-identical shards
+(same machine and software: the plan fixes every head call).
+Limits: an engine failure mid-shard loses that shard's work, never the dataset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from eagle_fast import __version__
+from eagle_fast.errors import UserError
+from eagle_fast.inputs import SamplePlan, ShardPlan, plan_batches
+from eagle_fast.pipeline.config import (
+    ExtractConfig,
+    Summary,
+    _fmt_secs,
+    default_runner_factory,
+    log,
+)
+from eagle_fast.pipeline.prepare import (
+    Prepared,
+    _clean_temps,
+    _finalize,
+    _write_extra_files,
+    _write_manifest,
+    prepare,
+)
+from eagle_fast.store.layouts import Layout, LayoutSpec
+from eagle_fast.store.manifest import part_slice
+from eagle_fast.supervision import RowFields, supervise
+
+
+class Progress:
+    """A one-line bar (tokens/s, samples, ETA) on a terminal; plain log lines otherwise."""
+
+    def __init__(self, total_tokens: int, total_samples: int, stream=None, tty: bool | None = None,
+                 interval: float = 5.0):
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.total_tokens = max(total_tokens, 1)
+        self.total_samples = total_samples
+        self.tokens = 0
+        self.samples = 0
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.interval = interval if not self.tty else 0.2
+        self._lock = threading.Lock()
+        self._printed = (0, 0)
+
+    def rate(self) -> float:
+        dt = time.perf_counter() - self.t0
+        return self.tokens / dt if dt > 0 else 0.0
+
+    def line(self) -> str:
+        r = self.rate()
+        eta = (self.total_tokens - self.tokens) / r if r > 0 else float("inf")
+        frac = self.tokens / self.total_tokens
+        return (f"{100 * frac:5.1f}% {self.samples:,}/{self.total_samples:,} samples "
+                f"{self.tokens:,} tok {r:,.0f} tok/s ETA {_fmt_secs(eta)}")
+
+    def update(self, samples: int, tokens: int, force: bool = False) -> None:
+        with self._lock:
+            self.samples += samples
+            self.tokens += tokens
+            now = time.perf_counter()
+            if not force and now - self.last < self.interval:
+                return
+            self.last = now
+            self._printed = (self.samples, self.tokens)
+            if self.tty:
+                width = 24
+                filled = int(width * self.tokens / self.total_tokens)
+                bar = "#" * filled + "-" * (width - filled)
+                self.stream.write(f"\r[{bar}] {self.line()}\x1b[K")
+            else:
+                self.stream.write(f"eagle-fast: {self.line()}\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+        elif self._printed != (self.samples, self.tokens) and self.tokens:
+            self.stream.write(f"eagle-fast: {self.line()}\n")  # the final state, for the log
+        self.stream.flush()
+
+
+_STOP = object()
+
+
+class _Writer(threading.Thread):
+    """Drains (shard, local index, result) items: encode, pwrite, commit shards, manifest."""
+
+    def __init__(self, p: Prepared, progress: Progress, maxsize: int):
+        super().__init__(name="eagle-fast-writer", daemon=True)
+        self.p = p
+        self.q: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.progress = progress
+        self.error: BaseException | None = None
+        self.sinks: dict[int, Any] = {}
+        self.remaining: dict[int, int] = {}
+        self.written_bytes = 0
+
+    def put(self, item) -> None:
+        while True:
+            if self.error is not None:
+                raise RuntimeError("the writer thread failed") from self.error
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def run(self) -> None:
+        try:
+            while True:
+                item = self.q.get()
+                if item is _STOP:
+                    return
+                shard, items = item
+                self._write(shard, items)
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread by put()/finish()
+            self.error = exc
+            for sink in self.sinks.values():
+                with contextlib.suppress(Exception):  # best effort: the error above is what counts
+                    sink.abort()
+            self.sinks.clear()
+            # keep draining so the producer never blocks forever
+            while True:
+                try:
+                    if self.q.get(timeout=0.1) is _STOP:
+                        return
+                except queue.Empty:
+                    continue
+
+    def _write(self, shard: ShardPlan, items: list[tuple[int, dict]]) -> None:
+        p = self.p
+        sink = self.sinks.get(shard.index)
+        if sink is None:
+            sink = self.sinks[shard.index] = p.layout.open_shard(p.root, shard)
+            self.remaining[shard.index] = len(shard.samples)
+        tokens = 0
+        for local, result in items:
+            sample = shard.samples[local]
+            sink.write(local, p.layout.encode(sample, result))
+            tokens += sample.length
+        self.remaining[shard.index] -= len(items)
+        if self.remaining[shard.index] == 0:
+            files = sink.commit()
+            del self.sinks[shard.index]
+            rec = {"index": shard.index, "samples": len(shard.samples), "tokens": shard.tokens,
+                   "lines": [s.line for s in shard.samples], "files": files}
+            if p.layout.name == "nemo":
+                # NeMo's shifted input_ids drop each sample's first token; keep it for verify.
+                rec["first_tokens"] = [s.input_ids[0] for s in shard.samples]
+            p.manifest["shards"].append(rec)
+            _write_manifest(p)
+            self.written_bytes += sum(f["bytes"] for f in files)
+        self.progress.update(len(items), tokens)
+
+    def finish(self) -> None:
+        self.q.put(_STOP)
+        self.join()
+        if self.error is not None:
+            raise RuntimeError("the writer thread failed") from self.error
+
+    def abort(self) -> None:
+        try:
+            self.q.put_nowait(_STOP)
+        except queue.Full:
+            pass
+        self.join(timeout=30)
+        for sink in list(self.sinks.values()):
+            with contextlib.suppress(Exception):  # best effort while another error propagates
+                sink.abort()
+
+
+_FIELDS_BY_OUTPUTS = {
+    ("draft",): ("draft_logprobs", "argmax_in_draft", "lse", "argmax"),
+    ("topk",): ("topk_ids", "topk_logprobs", "topk_tail", "lse", "argmax"),
+    ("logits",): ("logits", "lse", "argmax"),
+    (): ("lse", "argmax"),
+}
+
+
+def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
+                  draft_ids: torch.Tensor | None, k: int) -> list[dict]:
+    """Canonical per-sample results for one batch: one engine call, then `supervise`.
+
+    Each result holds input_ids int64 [T], loss_mask bool [T], aux_hidden_states [T, 3H],
+    `hidden` [T, H] when the layout stores it, and the head fields the layout asks for.
+    """
+    caps = runner.capture([s.input_ids for s in samples])
+    if len(caps) != len(samples):
+        raise RuntimeError(f"the engine returned {len(caps)} results for {len(samples)} sequences")
+    results = []
+    for s, (aux, final) in zip(samples, caps):
+        if aux.shape[0] != s.length or final.shape[0] != s.length:
+            raise RuntimeError(
+                f"the engine returned {aux.shape[0]} hidden-state rows for sample {s.index} "
+                f"(line {s.line}) of {s.length} tokens")
+        if not bool(torch.isfinite(aux).all()) or not bool(torch.isfinite(final).all()):
+            raise RuntimeError(f"the target produced non-finite hidden states for sample {s.index} "
+                               f"(line {s.line}); check --dtype (fp16 overflows on some models)")
+        r = {"input_ids": torch.tensor(s.input_ids, dtype=torch.int64),
+             "loss_mask": torch.tensor(s.loss_mask, dtype=torch.bool),
+             "aux_hidden_states": aux.detach().cpu()}
+        if layout.needs_final_hidden():
+            r["hidden"] = final.detach().cpu()
+        results.append(r)
+    outputs = layout.head_outputs()
+    if outputs is None:
+        return results
+    ids = None
+    if "draft" in outputs:
+        ids = draft_ids if draft_ids is not None else torch.arange(layout.spec.vocab_size)
+        ids = ids.to(runner.head.device)
+    into = RowFields(len(samples))
+    supervise(runner.head, [f for _, f in caps], outputs, into, draft_ids=ids, k=k,
+              out_dtype=layout.head_out_dtype())
+    for r, row in zip(results, into.rows()):
+        for name in _FIELDS_BY_OUTPUTS[tuple(outputs)]:
+            if name not in row:
+                raise RuntimeError(f"the head returned no {name!r} for outputs {outputs}")
+            r[name] = row[name].detach().cpu()
+    return results
+
+
+def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
+            on_shard: Callable[[int], None] | None = None) -> Summary:
+    """Run (or resume) an extraction; returns the summary. Raises UserError for user mistakes."""
+    t_start = time.perf_counter()
+    p = prepare(cfg)
+    p.root.mkdir(parents=True, exist_ok=True)
+    _clean_temps(p)
+    _write_manifest(p)  # first, so even a run killed now leaves a directory we recognise
+    _write_extra_files(p)
+    _write_manifest(p)
+    summary = _summary(p)
+    if not p.pending:
+        _finalize(p)
+        summary.note = "nothing to do: every shard of this run is already complete"
+        summary.seconds = time.perf_counter() - t_start
+        return summary
+
+    factory = runner_factory or default_runner_factory
+    pending_tokens = sum(s.tokens for s in p.pending)
+    pending_samples = sum(len(s.samples) for s in p.pending)
+    log(f"{len(p.plan.samples):,} samples ({p.plan.tokens:,} tokens) in {len(p.shards)} shards; "
+        f"this run: {len(p.pending)} shards, {pending_samples:,} samples -> {p.root}")
+    log(f"starting the {p.engine} engine for {p.info.path} ({p.cfg.dtype})")
+    t_build = time.perf_counter()
+    runner = factory(p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples))
+    try:
+        runner.set_aux_layers(p.aux_layer_ids)  # the vLLM engine starts here
+        if getattr(runner, "dtype", p.dtype) != p.dtype:
+            raise RuntimeError(f"the engine runs in {runner.dtype}, the extraction asked for {p.dtype}")
+    except BaseException:
+        runner.close()
+        raise
+    build_seconds = time.perf_counter() - t_build
+    progress = Progress(pending_tokens, pending_samples, tty=p.cfg.progress_tty)
+    writer = _Writer(p, progress, maxsize=max(1, p.cfg.queue_batches))
+    t_engine = time.perf_counter()
+    try:
+        longest = max(s.length for s in p.plan.samples)
+        mml = getattr(runner, "max_model_len", None)
+        if mml is not None and longest > int(mml):
+            raise UserError(f"the longest sample has {longest} tokens but the engine allows {mml}",
+                            f"pass --max-len {mml} or less")
+        writer.start()
+        for shard in p.pending:
+            for batch in plan_batches(shard, p.cfg.batch_tokens):
+                samples = [shard.samples[i] for i in batch]
+                results = compute_batch(runner, samples, p.layout, p.draft_ids, p.spec.k)
+                writer.put((shard, list(zip(batch, results))))
+            if on_shard is not None:
+                on_shard(shard.index)
+        writer.finish()
+    except BaseException:
+        if writer.is_alive():
+            writer.abort()
+        raise
+    finally:
+        progress.close()
+        with contextlib.suppress(Exception):  # never mask the run's own outcome
+            runner.close()
+    engine_seconds = time.perf_counter() - t_engine
+    p.manifest["runs"].append({
+        "tool_version": __version__, "engine": p.engine, "samples": pending_samples,
+        "tokens": pending_tokens, "build_seconds": round(build_seconds, 3),
+        "seconds": round(engine_seconds, 3), "tokens_per_second": round(pending_tokens / engine_seconds, 1)
+        if engine_seconds > 0 else None, "finished_unix": int(time.time()),
+    })
+    _write_manifest(p)
+    _finalize(p)
+    summary = _summary(p)
+    summary.run_samples, summary.run_tokens = pending_samples, pending_tokens
+    summary.engine_seconds, summary.build_seconds = engine_seconds, build_seconds
+    summary.seconds = time.perf_counter() - t_start
+    return summary
+
+
+def _aux_bytes_per_token(spec: LayoutSpec) -> int:
+    return spec.num_aux * spec.hidden_size * torch.empty((), dtype=spec.dtype).element_size()
+
+
+def _summary(p: Prepared) -> Summary:
+    m = p.manifest
+    done = m["shards"]
+    tokens = sum(r["tokens"] for r in done)
+    nbytes = sum(f["bytes"] for r in done for f in r["files"])
+    naive = tokens * (4 * p.info.vocab_size + _aux_bytes_per_token(p.spec) + 8 + 1)
+    return Summary(
+        out=str(p.root), layout=p.layout.name, supervision=p.kind,
+        samples=sum(r["samples"] for r in done), tokens=tokens, shards_done=len(done),
+        shards_total=len(part_slice(len(p.shards), p.part)), complete=m["complete"], bytes=nbytes,
+        fp32_logits_bytes=naive,
+        engine=p.engine, truncated=p.plan.truncated, skipped=p.plan.skipped, no_loss=p.plan.no_loss,
+    )

@@ -1,0 +1,143 @@
+"""`eagle-fast verify`: recompute random samples with transformers and compare field by field.
+
+Each stored sample is re-extracted with `HFTargetRunner` and re-encoded by its layout; floats
+must agree within a tolerance scaled by the target dtype, ids exactly, argmax-like fields up
+to a small rate of near-tie flips. `verify_report` is the table the CLI and the demo print.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from eagle_fast.checkpoint import load_model_info
+from eagle_fast.dtypes import SHORT_NAMES
+from eagle_fast.errors import UserError
+from eagle_fast.pipeline.config import default_runner_factory
+from eagle_fast.pipeline.run import compute_batch
+from eagle_fast.store import make_layout, spec_from_manifest
+from eagle_fast.store.dataset import Eagle3Dataset
+from eagle_fast.store.manifest import diff_settings
+
+# ----------------------------------------------------------------------------- verify
+
+
+@dataclass
+class FieldReport:
+    name: str
+    kind: str            # float | exact | rate
+    value: float         # max abs error (float), mismatches (exact), mismatch rate (rate)
+    limit: float
+    scale: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.value <= self.limit
+
+
+_FLOAT_RTOL = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+_RATE_LIMIT = {torch.float32: 0.01, torch.float16: 0.05, torch.bfloat16: 0.1}
+_RATE_FIELDS = ("argmax", "argmax_in_draft", "topk_ids", "position_mask", "target_probs_indices")
+_EXACT_FIELDS = ("input_ids", "loss_mask", "attention_mask", "token_ids", "offsets")
+
+
+def compare_fields(stored: dict, recomputed: dict, dtype: torch.dtype, tol_scale: float = 1.0) -> list[FieldReport]:
+    """Per-field error of stored vs recomputed tensors (see `verify` for the tolerances)."""
+    reports = []
+    for name in sorted(recomputed):
+        a, b = stored.get(name), recomputed[name]
+        if a is None:
+            reports.append(FieldReport(name, "exact", float("inf"), 0))
+            continue
+        if tuple(a.shape) != tuple(b.shape):
+            reports.append(FieldReport(name, "exact", float("inf"), 0))
+            continue
+        if name in _EXACT_FIELDS or not (a.is_floating_point() or name in _RATE_FIELDS):
+            reports.append(FieldReport(name, "exact", float((a.to(torch.int64) != b.to(torch.int64)).sum()), 0))
+        elif name in _RATE_FIELDS:
+            rate = float((a.to(torch.int64) != b.to(torch.int64)).float().mean()) if a.numel() else 0.0
+            reports.append(FieldReport(name, "rate", rate, _RATE_LIMIT[dtype] * tol_scale))
+        else:
+            a64, b64 = a.to(torch.float64), b.to(torch.float64)
+            finite = torch.isfinite(b64)
+            if not bool((torch.isfinite(a64) == finite).all()):
+                reports.append(FieldReport(name, "float", float("inf"), 0))
+                continue
+            scale = float(b64[finite].abs().max()) if bool(finite.any()) else 0.0
+            err = float((a64[finite] - b64[finite]).abs().max()) if bool(finite.any()) else 0.0
+            reports.append(FieldReport(name, "float", err, _FLOAT_RTOL[dtype] * tol_scale * max(scale, 1.0),
+                                       scale))
+    return reports
+
+
+def verify(directory: str, model: str | None = None, samples: int = 8, seed: int = 0,
+           runner_factory: Callable | None = None, tol_scale: float = 1.0,
+           full_checksums: bool = True) -> tuple[bool, list[FieldReport], list[int]]:
+    """Recompute `samples` random samples with HFTargetRunner; compare every stored field.
+
+    Tolerances (relative to a field's largest magnitude, at least 1): fp32 2e-3, fp16 2e-2,
+    bf16 6e-2; integer-valued fields that can flip at near-ties (argmax, top-k ids, the
+    draft-membership masks) may differ at up to 1 % / 5 % / 10 % of positions; token ids and
+    masks must match exactly. Also re-hashes every file against the manifest.
+    """
+
+    ds = Eagle3Dataset(directory, verify="full" if full_checksums else "cheap")
+    m = ds.manifest
+    model = model or m["model"]["id"]
+    info = load_model_info(model)
+    diffs = diff_settings({"model": m["settings"]["model"]}, {"model": info.identity})
+    if diffs:
+        raise UserError(f"--model {model} is not the checkpoint {directory} was extracted from "
+                        f"({'; '.join(diffs[:3])})", "pass the same model directory as for extract")
+    spec = spec_from_manifest(m)
+    layout = make_layout(spec)
+    rng = random.Random(seed)
+    n = len(ds)
+    picks = sorted(rng.sample(range(n), min(samples, n)))
+    draft_ids = None
+    if m["supervision"]["draft_vocab_size"]:
+
+        draft_ids = load_file(str(Path(directory) / "draft_vocab.safetensors"))["selected_token_ids"]
+    factory = runner_factory or default_runner_factory
+    runner = factory("hf", model, SHORT_NAMES[m["settings"]["dtype"]], m["settings"]["max_len"])
+    stored_all: dict[str, list[torch.Tensor]] = {}
+    recomputed_all: dict[str, list[torch.Tensor]] = {}
+    broken: dict[str, FieldReport] = {}
+    try:
+        runner.set_aux_layers(m["aux_layer_ids"])
+        plans = [ds.sample_plan(i) for i in picks]
+        results = compute_batch(runner, plans, layout, draft_ids, spec.k)
+    finally:
+        runner.close()
+    for i, plan, result in zip(picks, plans, results):
+        stored = ds.raw(i)
+        for name, b in layout.encode(plan, result).items():
+            a = stored.get(name)
+            if a is None or tuple(a.shape) != tuple(b.shape):
+                broken[name] = FieldReport(name, "exact", float("inf"), 0)
+                continue
+            stored_all.setdefault(name, []).append(a.reshape(-1))
+            recomputed_all.setdefault(name, []).append(b.reshape(-1))
+    reports = compare_fields({k: torch.cat(v) for k, v in stored_all.items()},
+                             {k: torch.cat(v) for k, v in recomputed_all.items()}, spec.dtype, tol_scale)
+    reports = sorted([r for r in reports if r.name not in broken] + list(broken.values()), key=lambda r: r.name)
+    return all(r.ok for r in reports), reports, picks
+
+
+def verify_report(ok: bool, reports, picks, directory: str) -> str:
+    """The table `eagle-fast verify` prints: one line per field, then PASS or FAIL."""
+    lines = [f"verify {directory}: recomputed samples {picks} with HFTargetRunner",
+             f"  {'field':<22} {'check':<6} {'max error':>12} {'limit':>12}  result"]
+    for r in reports:
+        value = f"{r.value:.3e}" if r.kind == "float" else (f"{100 * r.value:.2f}%" if r.kind == "rate"
+                                                            else f"{int(r.value)} diff")
+        limit = f"{r.limit:.3e}" if r.kind == "float" else (f"{100 * r.limit:.2f}%" if r.kind == "rate"
+                                                            else "exact")
+        lines.append(f"  {r.name:<22} {r.kind:<6} {value:>12} {limit:>12}  {'ok' if r.ok else 'FAIL'}")
+    lines.append("verify: PASS" if ok else "verify: FAIL (errors beyond tolerance)")
+    return "\n".join(lines)

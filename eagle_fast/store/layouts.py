@@ -1,0 +1,245 @@
+"""Layouts: how one sample's supervision is laid out on disk; the base and the native layout.
+
+Every layout turns one sample's canonical result (`input_ids`, `loss_mask`,
+`aux_hidden_states`, optionally the pre-norm final `hidden`, and the head fields named as in
+`HeadOutput`) into per-sample tensors (`encode`), writes them into a shard (`open_shard` ->
+`ShardSink`), and reads one sample back (`read_sample`). `verify` compares
+`encode(recomputed)` with `read_sample(stored)`, so every layout is checked the same way.
+
+native: shard-{g:06d}.safetensors; samples concatenated along tokens without padding,
+`offsets [n+1]` gives row ranges. Per token: input_ids int32, loss_mask bool,
+aux_hidden_states [T, 3H] (target dtype), then per supervision kind draft_logprobs [T, Vd] +
+argmax_in_draft | topk_ids int32 + topk_logprobs + topk_tail | logits [T, V] | hidden [T, H];
+every head kind also lse fp32 and argmax int32. Unshifted: row t is the target's output after
+tokens 0..t. Ids are int32 on disk and int64 when read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle_fast.dtypes import long_name
+from eagle_fast.errors import UserError
+from eagle_fast.inputs import SamplePlan, ShardPlan
+from eagle_fast.store.manifest import file_record
+from eagle_fast.store.safetensors import SafetensorsWriter, open_safetensors
+
+LAYOUTS = ("native", "nemo", "speculators")
+KINDS = ("draft", "topk", "lse", "logits", "hidden")
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """Everything a layout needs to size and encode tensors."""
+
+    layout: str
+    kind: str                 # draft | topk | lse | logits | hidden
+    k: int                    # top-k width (topk kind), else 0
+    hidden_size: int          # H
+    num_aux: int              # aux layers (3)
+    vocab_size: int           # V
+    draft_size: int           # Vd; equals V when no draft vocabulary is given
+    dtype: torch.dtype        # target dtype = stored hidden-state dtype
+    out_dtype: torch.dtype    # stored supervision float dtype (native)
+    max_len: int              # nemo: seq_length every field is padded to
+    pad_token_id: int = 0
+
+
+HEAD_FIELDS = {
+    "draft": ("draft_logprobs", "argmax_in_draft", "lse", "argmax"),
+    "topk": ("topk_ids", "topk_logprobs", "topk_tail", "lse", "argmax"),
+    "lse": ("lse", "argmax"),
+    "logits": ("logits", "lse", "argmax"),
+    "hidden": (),
+}
+HEAD_OUTPUTS = {"draft": ("draft",), "topk": ("topk",), "lse": (), "logits": ("logits",)}
+
+
+def validate_layout_kind(layout: str, kind: str) -> None:
+    """Raise a UserError for a supervision kind the layout cannot store."""
+
+    if layout == "nemo" and kind not in ("draft", "topk"):
+        raise UserError(
+            f"--format nemo stores NeMo's draft-vocab target_probs, not --supervision {kind}",
+            "use --supervision draft (full draft distribution) or topk (NeMo's top-k "
+            "compressed target_probs), or --format native",
+        )
+    if layout == "speculators" and kind != "hidden":
+        raise UserError(
+            f"--format speculators stores hidden states only, not --supervision {kind}",
+            "use --supervision hidden with --format speculators, or --format native",
+        )
+
+
+class Layout:
+    name = ""
+
+    def __init__(self, spec: LayoutSpec):
+        self.spec = spec
+
+    # what the pipeline must compute
+    def head_outputs(self) -> tuple[str, ...] | None:
+        """Outputs to request from the head, or None when the head is not run."""
+        raise NotImplementedError
+
+    def head_out_dtype(self) -> torch.dtype:
+        return self.spec.out_dtype
+
+    def needs_final_hidden(self) -> bool:
+        return False
+
+    # per sample
+    def fields(self) -> dict[str, dict]:
+        """Field name -> {"dtype", "shape"} of what `read_sample` returns (shape per sample)."""
+        raise NotImplementedError
+
+    def encode(self, sample: SamplePlan, result: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def open_shard(self, root: Path, shard: ShardPlan) -> ShardSink:
+        raise NotImplementedError
+
+    def shard_paths(self, shard: ShardPlan) -> list[str]:
+        raise NotImplementedError
+
+    def read_sample(self, root: Path, shard_record: dict, local_index: int,
+                    handles: dict | None = None) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class ShardSink:
+    """Receives encoded samples of one shard (any order) and commits its files."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.records: list[dict] = []
+
+    def write(self, local_index: int, encoded: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def commit(self) -> list[dict]:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+
+def shard_file_name(index: int) -> str:
+    return f"shard-{index:06d}.safetensors"
+
+
+# ------------------------------------------------------------------------------ native
+
+_INT_ON_DISK = ("input_ids", "argmax", "topk_ids")
+
+
+class NativeLayout(Layout):
+    name = "native"
+
+    def head_outputs(self):
+        return None if self.spec.kind == "hidden" else HEAD_OUTPUTS[self.spec.kind]
+
+    def needs_final_hidden(self) -> bool:
+        return self.spec.kind == "hidden"
+
+    def _token_fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Field -> (disk dtype, trailing shape) for per-token fields."""
+        s = self.spec
+        out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            "input_ids": (torch.int32, ()),
+            "loss_mask": (torch.bool, ()),
+            "aux_hidden_states": (s.dtype, (s.num_aux * s.hidden_size,)),
+        }
+        if s.kind == "hidden":
+            out["hidden"] = (s.dtype, (s.hidden_size,))
+            return out
+        out["lse"] = (torch.float32, ())
+        out["argmax"] = (torch.int32, ())
+        if s.kind == "draft":
+            out["draft_logprobs"] = (s.out_dtype, (s.draft_size,))
+            out["argmax_in_draft"] = (torch.bool, ())
+        elif s.kind == "topk":
+            out["topk_ids"] = (torch.int32, (s.k,))
+            out["topk_logprobs"] = (s.out_dtype, (s.k,))
+            out["topk_tail"] = (torch.float32, ())
+        elif s.kind == "logits":
+            out["logits"] = (s.out_dtype, (s.vocab_size,))
+        return out
+
+    def fields(self) -> dict[str, dict]:
+        out = {}
+        for name, (dtype, trailing) in self._token_fields().items():
+            read_dtype = torch.int64 if name in _INT_ON_DISK else dtype
+            out[name] = {"dtype": long_name(read_dtype), "shape": ["T", *trailing]}
+        return out
+
+    def encode(self, sample, result):
+        out = {}
+        for name, (dtype, _) in self._token_fields().items():
+            t = result[name]
+            out[name] = t.to(torch.int64) if name in _INT_ON_DISK else t.to(dtype)
+        return out
+
+    def shard_paths(self, shard):
+        return [shard_file_name(shard.index)]
+
+    def open_shard(self, root, shard):
+        return _NativeSink(self, root, shard)
+
+    def read_sample(self, root, shard_record, local_index, handles=None):
+        path = root / shard_record["files"][0]["path"]
+        h = open_safetensors(path, handles)
+        offsets = h.get_slice("offsets")[local_index: local_index + 2]
+        a, b = int(offsets[0]), int(offsets[1])
+        out = {}
+        for name in self._token_fields():
+            t = h.get_slice(name)[a:b]
+            out[name] = t.to(torch.int64) if name in _INT_ON_DISK else t
+        return out
+
+
+class _NativeSink(ShardSink):
+    def __init__(self, layout: NativeLayout, root: Path, shard: ShardPlan):
+        super().__init__(root)
+        lengths = [s.length for s in shard.samples]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        self.offsets = offsets
+        total = offsets[-1]
+        n = len(shard.samples)
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+            "offsets": (torch.int64, (n + 1,)),
+            "sample_index": (torch.int64, (n,)),
+            "source_line": (torch.int64, (n,)),
+        }
+        self.fields = layout._token_fields()
+        for name, (dtype, trailing) in self.fields.items():
+            specs[name] = (dtype, (total, *trailing))
+        meta = {"format": "eagle-fast", "layout": "native", "shard": str(shard.index)}
+        self.writer = SafetensorsWriter(root / shard_file_name(shard.index), specs, meta)
+        try:
+            self.writer.write("offsets", 0, torch.tensor(offsets, dtype=torch.int64))
+            self.writer.write("sample_index", 0, torch.tensor([s.index for s in shard.samples]))
+            self.writer.write("source_line", 0, torch.tensor([s.line for s in shard.samples]))
+        except BaseException:
+            self.writer.abort()
+            raise
+
+    def write(self, local_index, encoded):
+        row = self.offsets[local_index]
+        for name in self.fields:
+            self.writer.write(name, row, encoded[name])
+
+    def commit(self):
+        path = self.writer.commit()
+        return [file_record(path, self.root)]
+
+    def abort(self):
+        self.writer.abort()

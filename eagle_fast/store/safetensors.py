@@ -1,0 +1,132 @@
+"""safetensors files written block by block, and cached read handles.
+
+`SafetensorsWriter` fixes a file's layout up front (header, offsets, preallocated size) and
+then takes rows in any order through `os.pwrite`, so memory is bounded by one batch rather
+than one shard; the bytes depend only on the specs and the data. `write_safetensors` writes a
+dict of tensors the same way; `open_safetensors` keeps one read handle per file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from eagle_fast.dtypes import SAFETENSORS_CODES
+from eagle_fast.files import fsync_dir, temp_path_for
+
+# ------------------------------------------------------------------ safetensors writing
+
+
+class SafetensorsWriter:
+    """A safetensors file whose layout is fixed up front and filled block by block.
+
+    The header (tensor names, dtypes, shapes, offsets) is written first and the file is
+    preallocated; `write(name, row, tensor)` then places rows with `os.pwrite`, in any order.
+    This bounds memory by one batch instead of one shard and lets length-bucketed batches
+    land in sample order. The bytes depend only on the specs and the data: tensors are laid
+    out in name order, the JSON header has sorted keys and is space-padded to 8-byte
+    alignment (as safetensors itself does). `commit()` fsyncs and renames the temp file
+    into place; `abort()` removes it.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+        tag: str = "",
+    ):
+        self.path = Path(path)
+        self.tmp = temp_path_for(self.path, tag)
+        header: dict[str, Any] = {}
+        self._layout: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
+        offset = 0
+        for name in sorted(specs):
+            dtype, shape = specs[name]
+            shape = tuple(int(s) for s in shape)
+            numel = 1
+            for s in shape:
+                numel *= s
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            row_bytes = nbytes // shape[0] if shape and shape[0] else 0
+            header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            self._layout[name] = (offset, row_bytes, dtype, shape)
+            offset += nbytes
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in sorted(metadata.items())}
+        raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+        raw += b" " * ((-(8 + len(raw))) % 8)
+        self._data_start = 8 + len(raw)
+        self.total_bytes = self._data_start + offset
+        self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+            os.ftruncate(self._fd, self.total_bytes)
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, name: str, row: int, tensor: torch.Tensor) -> None:
+        """Write `tensor` (rows of `name`'s trailing shape) starting at row `row`."""
+        begin, row_bytes, dtype, shape = self._layout[name]
+        t = tensor.detach()
+        if t.dtype != dtype:
+            t = t.to(dtype)
+        if tuple(t.shape[1:]) != shape[1:]:
+            raise ValueError(f"{name}: rows of shape {tuple(t.shape[1:])}, expected {shape[1:]}")
+        if row < 0 or row + t.shape[0] > shape[0]:
+            raise ValueError(f"{name}: rows [{row}, {row + t.shape[0]}) outside [0, {shape[0]})")
+        if t.numel() == 0:
+            return
+        buf = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        os.pwrite(self._fd, buf, self._data_start + begin + row * row_bytes)
+
+    def commit(self) -> Path:
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+        return self.path
+
+    def abort(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None, tag: str = "") -> Path:
+    """Atomically write whole tensors (deterministic bytes, see SafetensorsWriter)."""
+    w = SafetensorsWriter(path, {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, metadata, tag)
+    try:
+        for k, v in tensors.items():
+            if v.dim() == 0:
+                raise ValueError(f"{k}: 0-d tensors are not supported")
+            w.write(k, 0, v)
+        return w.commit()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def open_safetensors(path: Path, handles: dict | None):
+
+    key = str(path)
+    if handles is not None and key in handles:
+        return handles[key]
+    h = safe_open(key, framework="pt")
+    if handles is not None:
+        handles[key] = h
+    return h

@@ -1,0 +1,127 @@
+"""vLLM speculators' hidden-state files (its hs_connectors read them).
+
+hidden_states/hs_{i}.safetensors per sample: hidden_states [T, 4, H] (the three aux layers in
+ascending order, then the final pre-norm hidden state, as vLLM's extract_hidden_states writes
+them) and token_ids int64 [T], plus our loss_mask bool [T]. When `datasets` is importable the
+finished directory also holds the Arrow table (input_ids, loss_mask, seq_len) that
+speculators' ArrowDataset loads from the same path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from eagle_fast.dtypes import long_name
+from eagle_fast.files import fsync_dir
+from eagle_fast.inputs import ShardPlan
+from eagle_fast.store.layouts import Layout, ShardSink
+from eagle_fast.store.manifest import file_record
+from eagle_fast.store.safetensors import write_safetensors
+
+# ------------------------------------------------------------------------- speculators
+
+
+class SpeculatorsLayout(Layout):
+    name = "speculators"
+    SUBDIR = "hidden_states"
+
+    def head_outputs(self):
+        return None
+
+    def needs_final_hidden(self) -> bool:
+        return True
+
+    def fields(self):
+        s = self.spec
+        return {
+            "hidden_states": {"dtype": long_name(s.dtype), "shape": ["T", s.num_aux + 1, s.hidden_size]},
+            "token_ids": {"dtype": "int64", "shape": ["T"]},
+            "loss_mask": {"dtype": "bool", "shape": ["T"]},
+        }
+
+    def encode(self, sample, result):
+        s = self.spec
+        T = sample.length
+        aux = result["aux_hidden_states"].to(s.dtype).reshape(T, s.num_aux, s.hidden_size)
+        final = result["hidden"].to(s.dtype).reshape(T, 1, s.hidden_size)
+        return {
+            "hidden_states": torch.cat([aux, final], dim=1).contiguous(),
+            "token_ids": result["input_ids"].to(torch.int64),
+            "loss_mask": result["loss_mask"].to(torch.bool),
+        }
+
+    @classmethod
+    def sample_path(cls, index: int) -> str:
+        return f"{cls.SUBDIR}/hs_{index}.safetensors"
+
+    def shard_paths(self, shard):
+        return [self.sample_path(s.index) for s in shard.samples]
+
+    def open_shard(self, root, shard):
+        (root / self.SUBDIR).mkdir(parents=True, exist_ok=True)
+        return _SpeculatorsSink(root, shard)
+
+    def read_sample(self, root, shard_record, local_index, handles=None):
+
+        return load_file(str(root / shard_record["files"][local_index]["path"]))
+
+
+class _SpeculatorsSink(ShardSink):
+    def __init__(self, root: Path, shard: ShardPlan):
+        super().__init__(root)
+        self.shard = shard
+        self.paths: dict[int, Path] = {}
+
+    def write(self, local_index, encoded):
+        index = self.shard.samples[local_index].index
+        path = self.root / SpeculatorsLayout.sample_path(index)
+        self.paths[local_index] = write_safetensors(path, encoded)
+
+    def commit(self):
+        missing = [i for i in range(len(self.shard.samples)) if i not in self.paths]
+        if missing:
+            raise RuntimeError(f"shard {self.shard.index}: samples {missing[:5]} never written")
+        return [file_record(self.paths[i], self.root) for i in range(len(self.shard.samples))]
+
+    def abort(self):
+        pass  # written files are complete samples; the shard is redone as a whole
+
+
+def write_speculators_arrow(root: Path, samples: list[tuple[list[int], list[int]]]) -> bool:
+    """Write the preprocessed table speculators' ArrowDataset loads next to hidden_states/.
+
+    Returns False (and writes nothing) when `datasets` is not importable.
+    """
+    try:
+        from datasets import Dataset
+    except ImportError:
+        return False
+
+    try:
+        from datasets.utils.logging import disable_progress_bar
+
+        disable_progress_bar()
+    except ImportError:  # pragma: no cover - older datasets
+        pass
+    table = Dataset.from_dict({
+        "input_ids": [ids for ids, _ in samples],
+        "loss_mask": [mask for _, mask in samples],
+        "seq_len": [len(ids) for ids, _ in samples],
+    })
+    table = table.with_format("torch")
+    tmp = Path(tempfile.mkdtemp(prefix=".arrow.", dir=root))
+    try:
+        table.save_to_disk(str(tmp))
+        for p in sorted(tmp.iterdir()):
+            final = root / p.name
+            os.replace(p, final)
+        fsync_dir(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return True
