@@ -168,14 +168,15 @@ def test_console_script_and_module_entry(tmp_path, tiny_llama):
 
 
 def test_progress_bar_on_a_terminal():
+    # On a terminal: tqdm's bar, with tokens/s and samples done; off one: plain log lines.
     stream = io.StringIO()
     p = Progress(total_tokens=1000, total_samples=10, stream=stream, tty=True)
     p.update(3, 300, force=True)
     p.update(7, 700, force=True)
     p.close()
     text = stream.getvalue()
-    assert text.count("\r[") == 2 and "100.0%" in text and "10/10 samples" in text and "tok/s" in text
-    assert "ETA" in text and text.endswith("\n")
+    assert "\r" in text and "100%" in text and "10/10 samples" in text and "tok/s" in text
+    assert "1.00k/1.00k" in text and text.endswith("\n")
     plain = io.StringIO()
     q = Progress(total_tokens=10, total_samples=1, stream=plain, tty=False)
     q.update(1, 10, force=True)

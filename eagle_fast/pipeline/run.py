@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from eagle_fast import __version__
 from eagle_fast.errors import UserError
@@ -45,7 +46,8 @@ from eagle_fast.supervision import RowFields, supervise
 
 
 class Progress:
-    """A one-line bar (tokens/s, samples, ETA) on a terminal; plain log lines otherwise."""
+    """A run's progress: tqdm's bar on a terminal; plain log lines (every `interval` seconds and
+    at the end) otherwise, where a bar's carriage returns would garble the log."""
 
     def __init__(self, total_tokens: int, total_samples: int, stream=None, tty: bool | None = None,
                  interval: float = 5.0):
@@ -57,9 +59,14 @@ class Progress:
         self.samples = 0
         self.t0 = time.perf_counter()
         self.last = 0.0
-        self.interval = interval if not self.tty else 0.2
-        self._lock = threading.Lock()
+        self.interval = interval
+        self._lock = threading.Lock()  # the writer thread updates, the main thread closes
         self._printed = (0, 0)
+        self.bar = None
+        if self.tty:
+            self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, file=self.stream,
+                            desc="eagle-fast", dynamic_ncols=True, mininterval=0.2)
+            self.bar.set_postfix_str(f"0/{total_samples:,} samples", refresh=False)
 
     def rate(self) -> float:
         dt = time.perf_counter() - self.t0
@@ -76,26 +83,28 @@ class Progress:
         with self._lock:
             self.samples += samples
             self.tokens += tokens
+            if self.bar is not None:
+                self.bar.set_postfix_str(f"{self.samples:,}/{self.total_samples:,} samples",
+                                         refresh=False)
+                self.bar.update(tokens)
+                if force:
+                    self.bar.refresh()
+                return
             now = time.perf_counter()
             if not force and now - self.last < self.interval:
                 return
             self.last = now
             self._printed = (self.samples, self.tokens)
-            if self.tty:
-                width = 24
-                filled = int(width * self.tokens / self.total_tokens)
-                bar = "#" * filled + "-" * (width - filled)
-                self.stream.write(f"\r[{bar}] {self.line()}\x1b[K")
-            else:
-                self.stream.write(f"eagle-fast: {self.line()}\n")
+            self.stream.write(f"eagle-fast: {self.line()}\n")
             self.stream.flush()
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-        elif self._printed != (self.samples, self.tokens) and self.tokens:
-            self.stream.write(f"eagle-fast: {self.line()}\n")  # the final state, for the log
-        self.stream.flush()
+        with self._lock:
+            if self.bar is not None:
+                self.bar.close()
+            elif self._printed != (self.samples, self.tokens) and self.tokens:
+                self.stream.write(f"eagle-fast: {self.line()}\n")  # the final state, for the log
+            self.stream.flush()
 
 
 _STOP = object()
