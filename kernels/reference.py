@@ -1,10 +1,9 @@
-"""PyTorch path of the head op: the reference semantics, the CPU fallback, and a float64 oracle.
+"""PyTorch path of the head op: the reference semantics and the CPU fallback.
 
-What it does
-    `lm_head_torch(req)` turns N final pre-norm hidden states into the head outputs that
-    `HeadRequest.outputs` asks for, looping over vocabulary chunks so that full [N, V] logits
-    exist only when "logits" or "logprobs" were requested. `lm_head_oracle(...)` computes the
-    same outputs in float64 from full logits; tests use it as truth.
+`lm_head_torch(req)` turns N final pre-norm hidden states into the outputs that
+`HeadRequest.outputs` asks for, looping over vocabulary chunks so that full [N, V] logits
+exist only when "logits" or "logprobs" were requested; `lm_head_logits_torch` writes the
+logits alone. The tests' float64 oracle (tests/_oracle.py) uses `normalize` from here.
 
 Semantics (both implementations follow them; this module defines them)
     x32    = hidden.float()                                       [N, H]
@@ -24,43 +23,32 @@ Semantics (both implementations follow them; this module defines them)
     argmax_in_draft = argmax in draft_ids
 
 Design
-    One pass over vocab chunks of C columns (`choose_chunk`), and within each chunk over row
-    blocks of R rows (`choose_row_block`; on CUDA R = N). The chunk's weight rows are upcast
-    once (CPU) and serve every row block. Per [R, C] tile: GEMM (into the tile, or straight into
-    a requested fp32 logits/logprobs output or the draft buffer); scale/softcap in place; row
-    max merged into the running max and the argmax searched only where it grew (a strictly
-    larger max takes over, so ties keep the lower id); top-k candidates merged into a running
-    [R, k] set by a stable sort; draft columns into an fp32 [N, Vd] buffer; then
-    exp(tile - running max) and its row sum added to the running sum. The running sum is
-    float64 ([N], so free) and rescaled by exp(m_old - m_new) whenever the max grows.
-    Draft-first order: when the draft is wanted without top-k or an [N, V] output, the chunks
-    walk draft_ids first, then the other ids (both ascending): the draft columns are then one
-    contiguous range, its tiles are GEMMed straight into the draft buffer, and the running
-    logsumexp when that range ends is the draft's (argmax ties across the two ranges go to the
-    lower id explicitly).
-    Peak extra memory: the tile, on CPU the fp32 weight chunk, the draft buffer, and whatever
-    outputs were requested (logits/logprobs are the only [N, V]).
-    topk_tail is summed directly from the tokens outside the top-k (positions that become top-k
-    candidates are zeroed in the exp tile; tokens later evicted from the top-k add their mass
-    back), never as 1 - sum(top-k probabilities): when the top-k holds almost all the mass, that
-    difference cancels to noise (~k * 6e-8 absolute), while a direct sum keeps fp32 relative
-    accuracy even for a tail of 1e-12.
-    GEMM precision by device: every GEMM is y @ W.T with the operands in the weight dtype and
+    Vocab chunks of C columns (`choose_chunk`), each over row blocks of R rows
+    (`choose_row_block`; on CUDA R = N). Per [R, C] tile: GEMM, scale/softcap in place, then
+    the running max / argmax / top-k merges (`_reference_running`), draft columns into an
+    fp32 [N, Vd] buffer, and exp(tile - running max) into a float64 running sum rescaled
+    whenever the max grows. Draft-first order (draft wanted without top-k or an [N, V]
+    output): draft ids first, so their tiles land straight in the draft buffer and the
+    running logsumexp at the end of that range is the draft's. topk_tail is summed directly
+    over the tokens outside the top-k, never as 1 - sum(top-k): when the top-k holds almost
+    all the mass that difference cancels to noise (~k * 6e-8 absolute), while a direct sum
+    keeps fp32 relative accuracy even for a tail of 1e-12.
+    GEMM precision by device: every GEMM is y @ W.T with operands in the weight dtype and
     fp32 accumulation and output, never rounded to 16 bits. CPU with bf16 weights on
-    AVX512-BF16/AMX: MKL's bf16 GEMM with fp32 output (`_cpu.gemm_bf16_f32`). Other CPUs and
-    dtypes: an fp32 GEMM on the operands upcast chunk by chunk (bf16/fp16 convert to fp32
-    exactly and their products are exact in fp32, so it is the same math). PyTorch's own bf16
-    CPU GEMM rounds its output to bf16, and oneDNN's bf16 math mode is a process-global flag
-    that would lower every other thread's fp32 matmul during the call: the head changes no
-    global state. CUDA: tensor cores with fp32 output (`torch.mm(..., out_dtype=torch.float32)`),
-    or, where that overload is missing, the upcast chunk (slower, same result).
+    AVX512-BF16/AMX: MKL's bf16 GEMM with fp32 output (`_cpu.gemm_bf16_f32`); other CPUs and
+    dtypes: an fp32 GEMM on operands upcast chunk by chunk (exact for bf16/fp16). PyTorch's
+    bf16 CPU GEMM rounds its output to bf16 and oneDNN's bf16 math mode is process-global,
+    so neither is used: the head changes no global state. CUDA: tensor cores with fp32
+    output (`torch.mm(..., out_dtype=torch.float32)`), or the upcast chunk where that
+    overload is missing.
     Bit-identity: a given call (inputs, tiles, thread count) is deterministic; MKL's fp32
-    GEMM (and so every tile) may round differently for another tile shape or thread count,
-    by a few fp32 ulps of the logits, so different plans agree within the oracle's tolerance.
+    GEMM may round differently for another tile shape or thread count, by a few fp32 ulps of
+    the logits, so different plans agree within the oracle's tolerance.
 
 Limits
-    Non-finite hidden or weight values propagate (NaN in, NaN out); nothing here checks them.
-    On CUDA, fp32 weights use whatever `torch.backends.cuda.matmul.allow_tf32` says.
+    Extra memory: one tile, on CPU one fp32 weight chunk, the draft buffer, and the requested
+    outputs (logits/logprobs are the only [N, V]). Non-finite inputs propagate (NaN in, NaN
+    out). On CUDA, fp32 weights use whatever `torch.backends.cuda.matmul.allow_tf32` says.
     No autograd: the head produces supervision, not a differentiable loss.
 """
 
@@ -72,6 +60,7 @@ import torch
 
 from ._common import HeadOutput, HeadRequest
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
+from ._reference_running import RunningTopK, update_argmax
 
 # CPU tiling: a [R, C] fp32 logits tile of 4 MiB (R = 1024 rows at C = 1024) and an fp32
 # weight chunk [C, H] of at most 4 MiB (C = 1024 columns up to H = 1024). Time barely depends on
@@ -124,7 +113,7 @@ def choose_row_block(n_rows: int, chunk: int, device_type: str = "cpu") -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Normalisation: shared by the reference, the oracle and the tests, so all round y identically.
+# Normalisation: shared by the PyTorch path, the tests and their oracle, so all round y alike.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -222,134 +211,6 @@ def _empty_output(req: HeadRequest) -> HeadOutput:
         out.draft_logprobs = torch.empty(0, req.draft_ids.numel(), dtype=req.out_dtype, device=dev)
         out.argmax_in_draft = torch.empty(0, dtype=torch.bool, device=dev)
     return out
-
-
-def _chunk_topk_select(tile: torch.Tensor, kc: int) -> torch.Tensor | None:
-    """Local ids [N, kc] of each row's kc largest entries, exact tie rule, in ascending id order.
-
-    None means "every column" (kc >= chunk width). torch.topk picks an arbitrary member of a
-    tie that straddles the kc-th place; asking for kc + 1 values exposes it (kc-th value ==
-    (kc+1)-th value), and only those rows are redone with a stable full sort, which orders
-    equal values by id.
-    """
-    _n, c = tile.shape
-    if kc >= c:
-        return None
-    vals, idx = torch.topk(tile, kc + 1, dim=1, largest=True, sorted=True)
-    idx = idx[:, :kc]
-    ambiguous = vals[:, kc - 1] == vals[:, kc]
-    if bool(ambiguous.any()):
-        rows = ambiguous.nonzero(as_tuple=True)[0]
-        _, order = torch.sort(tile[rows], dim=1, descending=True, stable=True)
-        idx = idx.clone()
-        idx[rows] = order[:, :kc]
-    return torch.sort(idx, dim=1).values
-
-
-class _RunningTopK:
-    """Each row's k largest logits so far, ordered by (value desc, id asc), over the chunk loop.
-
-    `update(tile, c0)` merges one chunk. It remembers which tile entries became candidates, so
-    the caller can leave them out of the chunk's outside-top-k mass (`zero_candidates` on the
-    exp tile), and `evicted` holds the values that fell out of the set, whose mass the caller
-    adds back. Two ways to pick a chunk's candidates:
-      - threshold (CPU, once the set holds k): only entries strictly above the running k-th
-        value can enter (an equal one loses the tie to the lower running id). Past the first
-        chunk that is ~k/j entries per row, and gathering them with one compare + nonzero beats
-        torch.topk, which is slow on narrow rows (1024 x 2048 tile, k=64: 11 ms vs ~2 ms).
-        Worst case (logits rising with the id, so every entry passes) the nonzero index lists
-        are 4x the tile before the fallback below: still O(N x C).
-      - topk: the chunk's own top-min(k, C) (`_chunk_topk_select`). Used on CUDA (no host sync
-        per chunk beyond the tie check), to fill the set, and when a row has more than k
-        entries above the threshold.
-    """
-
-    def __init__(self, n: int, k: int, device: torch.device, use_threshold: bool):
-        self.k = k
-        self.use_threshold = use_threshold
-        self.values = torch.empty(n, 0, dtype=torch.float32, device=device)
-        self.ids = torch.empty(n, 0, dtype=torch.int64, device=device)
-        self.evicted: torch.Tensor | None = None
-        self._zero: tuple = ()
-
-    def update(self, tile: torch.Tensor, c0: int, tile_max: torch.Tensor | None = None) -> None:
-        """Merge one tile whose column j is token c0 + j; `tile_max` ([n], optional) is each
-        row's maximum over the tile, which lets the threshold path skip rows without a
-        candidate."""
-        self.evicted, self._zero = None, ()
-        if (
-            self.use_threshold
-            and self.values.shape[1] == self.k
-            and self._update_above_threshold(tile, c0, tile_max)
-        ):
-            return
-        sel = _chunk_topk_select(tile, min(self.k, tile.shape[1]))
-        if sel is None:
-            ids = torch.arange(c0, c0 + tile.shape[1], device=tile.device).expand_as(tile)
-            self._merge(tile, ids)
-            self._zero = ("all",)
-        else:
-            self._merge(torch.gather(tile, 1, sel), sel + c0)
-            self._zero = ("scatter", sel)
-
-    def _update_above_threshold(
-        self, tile: torch.Tensor, c0: int, tile_max: torch.Tensor | None
-    ) -> bool:
-        n = tile.shape[0]
-        threshold = self.values[:, -1:]
-        if tile_max is None:
-            rows, cols = torch.nonzero(tile > threshold, as_tuple=True)
-        else:
-            # Only rows whose tile max passes the threshold can hold a candidate; past the
-            # first chunks that is a fraction of them, and compare + nonzero (the slow part:
-            # ~1 ns per element) then scan only those rows.
-            live = (tile_max > threshold[:, 0]).nonzero(as_tuple=True)[0]
-            if live.numel() == 0:
-                return True
-            if live.numel() == n:
-                rows, cols = torch.nonzero(tile > threshold, as_tuple=True)
-            else:
-                sub_rows, cols = torch.nonzero(tile[live] > threshold[live], as_tuple=True)
-                rows = live[sub_rows]
-        if rows.numel() == 0:
-            return True
-        counts = torch.bincount(rows, minlength=n)
-        width = int(counts.max())
-        if width > self.k:
-            return False
-        # nonzero is row-major, so each row's candidates arrive in ascending id order; pad the
-        # short rows with -inf, which the merge drops past k.
-        pos = (
-            torch.arange(rows.numel(), device=tile.device)
-            - (torch.cumsum(counts, 0) - counts)[rows]
-        )
-        cand_v = torch.full((n, width), -math.inf, dtype=torch.float32, device=tile.device)
-        cand_i = torch.zeros((n, width), dtype=torch.int64, device=tile.device)
-        cand_v[rows, pos] = tile[rows, cols]
-        cand_i[rows, pos] = cols + c0
-        self._merge(cand_v, cand_i)
-        self._zero = ("index", rows, cols)
-        return True
-
-    def _merge(self, cand_v: torch.Tensor, cand_i: torch.Tensor) -> None:
-        """Stable-sort merge. Running entries are ordered (value desc, id asc), candidates are
-        id-ascending and all above every running id (chunks arrive in id order), so a STABLE
-        descending sort by value alone orders equal values by id."""
-        v = torch.cat([self.values, cand_v], dim=1)
-        i = torch.cat([self.ids, cand_i], dim=1)
-        v, order = torch.sort(v, dim=1, descending=True, stable=True)
-        self.values, self.ids = v[:, : self.k], torch.gather(i, 1, order[:, : self.k])
-        self.evicted = v[:, self.k :]
-
-    def zero_candidates(self, exp_tile: torch.Tensor) -> None:
-        if not self._zero:
-            return
-        if self._zero[0] == "all":
-            exp_tile.zero_()
-        elif self._zero[0] == "scatter":
-            exp_tile.scatter_(1, self._zero[1], 0.0)
-        else:
-            exp_tile[self._zero[1], self._zero[2]] = 0.0
 
 
 def _draft_log_softmax_(draft_buf: torch.Tensor, tile_elems: int) -> torch.Tensor:
@@ -463,7 +324,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
     run_sum = torch.zeros(N, dtype=f64, device=dev)  # sum of exp(logit - run_max) outside top-k
     run_arg = torch.zeros(N, dtype=torch.int64, device=dev)
     blocks = [(r0, min(r0 + R, N)) for r0 in range(0, N, R)]
-    topks = [_RunningTopK(r1 - r0, k, dev, use_threshold=on_cpu) for r0, r1 in blocks] if k else None
+    topks = [RunningTopK(r1 - r0, k, dev, use_threshold=on_cpu) for r0, r1 in blocks] if k else None
 
     logits_out = logprobs32 = None
     if req.wants("logits"):
@@ -528,7 +389,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
                 scratch = tile  # CUDA: the GEMM's fresh output is this tile's scratch
 
             rmax, rsum, rarg = run_max[r0:r1], run_sum[r0:r1], run_arg[r0:r1]
-            new_max, tile_max = _update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
+            new_max, tile_max = update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
 
             if logits_out is not None and logits_out is not gemm_into:
                 logits_out[r0:r1, c0:c1].copy_(tile)
@@ -586,54 +447,6 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
     return out
 
 
-def _update_argmax(
-    tile: torch.Tensor,
-    c0: int,
-    run_max: torch.Tensor,
-    run_arg: torch.Tensor,
-    on_cpu: bool,
-    ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Merge one tile into the running argmax (in place on `run_arg`); return the new running
-    max and the tile's row max.
-
-    Column j of the tile is token `c0 + j`, or `ids[j]` when the vocabulary is walked in another
-    order (`ids` ascending within the tile). Ties go to the lower token id: `argmax` returns the
-    first maximal column, so within a tile the lowest id; across tiles a strictly larger max
-    takes over and, when tiles are not in id order, an equal one keeps the lower id.
-    On CPU, `torch.max(dim=1)` with indices is ~6-10x slower than `amax` (`python
-    bench/bench_cpu_ops.py`, "reductions"), so the index is searched only in the rows whose max grew (or tied):
-    for logits in random order that is ~ln(#chunks) of the ~V/C chunks of a row; for logits
-    rising with the id, every tile (no worse than `torch.max`).
-    """
-    if not on_cpu:
-        c_max, c_arg = torch.max(tile, dim=1)
-        cand = c_arg + c0 if ids is None else ids[c_arg]
-        take = c_max > run_max
-        if ids is not None:
-            take |= (c_max == run_max) & (cand < run_arg)
-        run_arg.copy_(torch.where(take, cand, run_arg))
-        return torch.maximum(run_max, c_max), c_max
-    c_max = torch.amax(tile, dim=1)
-    grew = c_max > run_max
-    if ids is not None:
-        grew |= c_max == run_max
-    rows = grew.nonzero(as_tuple=True)[0]
-    if rows.numel():
-        if rows.numel() == tile.shape[0]:
-            cand = torch.argmax(tile, dim=1)
-        else:
-            cand = torch.argmax(tile[rows], dim=1)
-        cand = cand + c0 if ids is None else ids[cand]
-        if ids is not None:  # an equal max keeps the lower id
-            cand = torch.where(c_max[rows] > run_max[rows], cand, torch.minimum(cand, run_arg[rows]))
-        if rows.numel() == tile.shape[0]:
-            run_arg.copy_(cand)
-        else:
-            run_arg[rows] = cand
-    return torch.maximum(run_max, c_max), c_max
-
-
 @torch.no_grad()
 def lm_head_logits_torch(req: HeadRequest, pieces: list[torch.Tensor]) -> None:
     """Full fp32 logits only, written into `pieces`: fp32 [n_i, V] tensors (unit column stride,
@@ -660,58 +473,3 @@ def lm_head_logits_torch(req: HeadRequest, pieces: list[torch.Tensor]) -> None:
                 r1 = min(r0 + R, piece.shape[0])
                 tile = piece[r0:r1, c0:c1]
                 _gemm_tile(req, y[p0 + r0 : p0 + r1], w_chunk, w32, tile, on_cpu)
-
-
-# ----------------------------------------------------------------------------------------------
-# float64 oracle (tests)
-# ----------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def lm_head_oracle(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    norm_weight: torch.Tensor | None = None,
-    *,
-    eps: float = 1e-6,
-    norm: str = "rms",
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-    k: int = 0,
-    draft_ids: torch.Tensor | None = None,
-    row_block: int = 1024,
-    **_ignored,
-) -> HeadOutput:
-    """Truth for tests: every output from full float64 logits, after the SAME rounding of y.
-
-    Takes `lm_head`'s arguments (outputs / out_dtype / impl are accepted and ignored: it
-    computes logits, logprobs, lse, argmax, plus top-k when k > 0 and draft outputs when
-    draft_ids is given). hidden [..., H]; fields keep the leading dims. Float fields are float64,
-    ids int64; topk_tail is summed directly over the non-top-k tokens. Rows are processed in
-    blocks of `row_block` to bound memory ([row_block, V] float64 plus a stable sort of it).
-    """
-    lead = hidden.shape[:-1]
-    x = hidden.reshape(-1, hidden.shape[-1])
-    w64 = weight.double()
-    parts = []
-    for r0 in range(0, max(x.shape[0], 1), row_block):
-        xb = x[r0 : r0 + row_block]
-        y = normalize(xb, norm_weight, eps=eps, norm=norm, dtype=weight.dtype)
-        logits = (y.double() @ w64.t()) * logit_scale
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        lse = torch.logsumexp(logits, dim=-1)
-        logprobs = logits - lse[:, None]
-        # stable descending sort = the exact tie rule (equal values keep ascending id order)
-        order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
-        part = HeadOutput(lse=lse, argmax=order[:, 0], logits=logits, logprobs=logprobs)
-        if k:
-            part.topk_ids = order[:, :k]
-            part.topk_logprobs = torch.gather(logprobs, 1, part.topk_ids)
-            part.topk_tail = torch.gather(logprobs, 1, order[:, k:]).exp().sum(-1)
-        if draft_ids is not None:
-            part.draft_logprobs = torch.log_softmax(logits[:, draft_ids], dim=-1)
-            part.argmax_in_draft = torch.isin(part.argmax, draft_ids)
-        parts.append(part)
-    fields = {name: torch.cat([p.as_dict()[name] for p in parts]) for name in parts[0].as_dict()}
-    return HeadOutput(**fields).reshape(tuple(lead))

@@ -1,14 +1,15 @@
-"""Shared pieces of the runner tests (issue 4): batches, the supervision oracle, engine processes.
+"""Shared pieces of the runner tests: batches, the expected supervision, engine processes.
 
-`reference_supervision` is the oracle for `forward_eagle3_supervision`: every head output
-computed in float64 from full logits (transformers' own, in the runner tests), on the non-pad
-positions only.
+`reference_supervision` is what `forward_eagle3_supervision` must return: every head output
+of full logits (transformers' own, in the runner tests) on the non-pad positions, from the
+tests' float64 oracle (`_oracle.oracle_from_logits`).
 """
 
 from __future__ import annotations
 
 import torch
 from _assert import assert_close, assert_ids_equal
+from _oracle import oracle_from_logits
 
 # Unequal lengths, right-padded to S = max: row 1 is full, row 2 is a single token.
 LENGTHS = (9, 14, 1, 6)
@@ -39,26 +40,8 @@ def draft_vocab(vocab: int = 1031, size: int = 257, seed: int = 3) -> torch.Tens
 def reference_supervision(
     logits: torch.Tensor, mask: torch.Tensor, *, k: int, draft_ids: torch.Tensor
 ) -> dict:
-    """Every head output from full logits `[B, S, V]` at the non-pad positions, in float64."""
-    x = logits[mask.bool()].double()
-    lse = torch.logsumexp(x, dim=-1)
-    logprobs = x - lse[:, None]
-    top_vals, top_ids = logprobs.topk(k, dim=-1)
-    draft = torch.log_softmax(x[:, draft_ids], dim=-1)
-    in_draft = torch.zeros(x.shape[-1], dtype=torch.bool)
-    in_draft[draft_ids] = True
-    argmax = x.argmax(dim=-1)
-    return {
-        "logits": x,
-        "lse": lse,
-        "argmax": argmax,
-        "logprobs": logprobs,
-        "topk_ids": top_ids,
-        "topk_logprobs": top_vals,
-        "topk_tail": 1 - top_vals.exp().sum(-1),
-        "draft_logprobs": draft,
-        "argmax_in_draft": in_draft[argmax],
-    }
+    """Every head output of full logits `[B, S, V]` at the non-pad positions, in float64."""
+    return oracle_from_logits(logits[mask.bool()], k=k, draft_ids=draft_ids).as_dict()
 
 
 def check_supervision(

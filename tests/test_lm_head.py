@@ -1,4 +1,4 @@
-"""Tests for the head op (issue 3): `eagle_fast.kernels.lm_head` against a float64 oracle.
+"""Tests for the head op: `eagle_fast.kernels.lm_head` against the float64 oracle.
 
 What: every mode (each output, each norm, scale / softcap, out_dtype, leading dims, N = 0,
 exact ties, k edges, draft edges, large logits) under impl="torch" and impl="triton" (the
@@ -6,11 +6,12 @@ Triton interpreter for these CPU tensors), input validation, the draft-id helper
 `gpu` class at real sizes on CUDA.
 
 Design:
-  - Truth is `reference.lm_head_oracle`: full float64 logits after the SAME rounding of the
+  - Truth is `_oracle.lm_head_oracle`: full float64 logits after the SAME rounding of the
     normalised activation to the weight dtype (the one rounding the semantics define).
   - Tolerance follows flash-attention: a float output passes when its error is at most
-    2 x (the error of plain PyTorch in the weight dtype, full logits from F.linear) + atol
-    (+ one out_dtype ulp for outputs stored in a 16-bit out_dtype).
+    2 x (the error of the same-dtype yardstick: the oracle with its GEMM in the weight dtype,
+    `lm_head_oracle(..., same_dtype=True)`) + atol (+ one out_dtype ulp for outputs stored in
+    a 16-bit out_dtype).
   - Ids are checked by value (the oracle logit at the returned id must be the best, within
     the logit tolerance), because random data can have near-ties that any correct fp32
     implementation may break either way; exact-tie tests use small-integer data, whose
@@ -39,6 +40,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _assert import assert_close, assert_ids_equal
+from _oracle import lm_head_oracle
 from eagle_fast.kernels import (
     HeadOutput,
     _cpu,
@@ -49,14 +51,15 @@ from eagle_fast.kernels import (
     reference,
 )
 from eagle_fast.kernels._common import OUT_DTYPE_FIELDS
-from eagle_fast.kernels.reference import lm_head_oracle, normalize, normalize_fp32
+from eagle_fast.kernels._reference_running import RunningTopK
+from eagle_fast.kernels.reference import normalize_fp32
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 IMPLS = ["torch", "triton"]
 ALL_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
-# dtype, atol, rtol travel together. atol/rtol sit on top of 2x the plain-PyTorch error, so
-# they only absorb fp32 accumulation-order noise.
+# dtype, atol, rtol travel together. atol/rtol sit on top of 2x the same-dtype yardstick's
+# error, so they only absorb fp32 accumulation-order noise.
 DTYPES = [
     pytest.param(torch.float32, 1e-5, 1e-5, id="fp32"),
     pytest.param(torch.float16, 1e-4, 1e-5, id="fp16"),
@@ -104,40 +107,6 @@ def random_draft(gen, V, size):
     return torch.randperm(V, generator=gen)[:size].sort().values
 
 
-def plain_torch(
-    hidden,
-    weight,
-    norm_weight=None,
-    *,
-    eps=1e-6,
-    norm="rms",
-    logit_scale=1.0,
-    softcap=None,
-    k=0,
-    draft_ids=None,
-    **_ignored,
-) -> HeadOutput:
-    """What plain PyTorch gives in the weight dtype: F.linear logits (rounded to the weight
-    dtype), then fp32 statistics. Its error vs the oracle sets the tolerance."""
-    H = weight.shape[1]
-    lead = tuple(hidden.shape[:-1])
-    y = normalize(hidden.reshape(-1, H), norm_weight, eps=eps, norm=norm, dtype=weight.dtype)
-    logits = F.linear(y, weight).float() * logit_scale
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    lse = torch.logsumexp(logits, dim=-1)
-    logprobs = logits - lse[:, None]
-    out = HeadOutput(lse=lse, argmax=logits.argmax(-1), logits=logits, logprobs=logprobs)
-    if k:
-        values, ids = logprobs.topk(k, dim=-1)
-        out.topk_ids, out.topk_logprobs = ids, values
-        out.topk_tail = (1.0 - values.exp().sum(-1)).clamp_min(0.0)
-    if draft_ids is not None:
-        out.draft_logprobs = torch.log_softmax(logits[:, draft_ids], dim=-1)
-        out.argmax_in_draft = torch.isin(out.argmax, draft_ids)
-    return out.reshape(lead)
-
-
 @contextmanager
 def small_chunks(width: int = SMALL_CHUNK, rows: int = SMALL_ROWS):
     """Chunks of `width` columns and row blocks of `rows` rows: every cross-tile merge runs."""
@@ -168,7 +137,7 @@ def _max_err(a, b) -> float:
 def check_outputs(
     out,
     oracle,
-    plain,
+    yardstick,
     *,
     outputs,
     atol,
@@ -198,19 +167,21 @@ def check_outputs(
     for name in FLOAT_FIELDS:
         if name not in wanted:
             continue
-        err_plain = _max_err(getattr(plain, name), getattr(oracle, name))
+        err_same = _max_err(getattr(yardstick, name), getattr(oracle, name))
         ulp = OUT_ULP[out_dtype] if name in OUT_DTYPE_FIELDS else 0.0
         assert_close(
             getattr(out, name),
             getattr(oracle, name),
-            atol=2 * err_plain + atol,
+            atol=2 * err_same + atol,
             rtol=rtol + ulp,
-            name=f"{label} {name} (plain-torch error {err_plain:.3g})",
+            name=f"{label} {name} (same-dtype error {err_same:.3g})",
         )
 
     # ids, by value: the oracle logit at each returned id must be the best available.
     logit_tol = (
-        2 * _max_err(plain.logits, oracle.logits) + atol + rtol * float(oracle.logits.abs().max())
+        2 * _max_err(yardstick.logits, oracle.logits)
+        + atol
+        + rtol * float(oracle.logits.abs().max())
     )
     best = oracle.logits.max(-1).values
     got = oracle.logits.gather(-1, out.argmax[..., None].to(oracle.logits.device)).squeeze(-1)
@@ -245,15 +216,15 @@ def check_case(
     exact_ids=False,
     **kw,
 ):
-    """Run `impl` (both chunkings for torch) and check all outputs against oracle and plain."""
+    """Run `impl` (both chunkings for torch) and check all outputs against the oracle."""
     k = kw.get("k", 0)
     oracle = lm_head_oracle(hidden, weight, norm_weight, **kw)
-    plain = plain_torch(hidden, weight, norm_weight, **kw)
+    yardstick = lm_head_oracle(hidden, weight, norm_weight, same_dtype=True, **kw)
     for label, out in run_impl(impl, hidden, weight, norm_weight, outputs=outputs, **kw):
         check_outputs(
             out,
             oracle,
-            plain,
+            yardstick,
             outputs=outputs,
             atol=atol,
             rtol=rtol,
@@ -602,7 +573,7 @@ def test_torch_topk_path_used_on_cuda(gen):
     # On CUDA the reference picks each chunk's candidates with torch.topk only (no threshold
     # gather). Force that path on CPU, with chunks narrower than k and ties everywhere.
     hidden, weight = tie_inputs(gen, 9, 32, 257, torch.float32)
-    with mock.patch.object(reference._RunningTopK, "_update_above_threshold", lambda *a: False):
+    with mock.patch.object(RunningTopK, "_update_above_threshold", lambda *a: False):
         for k in (1, 7, 100):
             check_case(
                 "torch",
@@ -708,22 +679,19 @@ class _LargestTensor(TorchDispatchMode):
 
 def test_torch_impl_never_builds_vocab_sized_tensors(gen):
     # Without logits/logprobs, no tensor created during the call may come near one fp32 [N, V]
-    # matrix: the chunk tile is bounded by the tile budget (shrunk to 512 KiB here so a small
-    # case shows the 16x gap; `test_choose_chunk_bounds_the_tile` checks the real budget).
+    # matrix: the default plan here is one [128, 1024] tile, 1/16 of it
+    # (`test_choose_chunk_bounds_the_tile` checks the plan at real sizes).
     # Requesting logits is the control: there the tracker must see the [N, V] output.
     N, H, V = 128, 16, 16_384
     hidden, weight, norm_weight = make_inputs(gen, N, H, V, torch.bfloat16)
     full = N * V * 4
     kw = {"k": 8, "draft_ids": torch.arange(0, V, 31), "impl": "torch"}
-    with mock.patch.object(reference, "_CPU_TILE_BYTES", 512 << 10):
-        with _LargestTensor() as seen:
-            lm_head(hidden, weight, norm_weight, outputs=("lse", "argmax", "topk", "draft"), **kw)
-        assert seen.nbytes <= full // 8, (
-            f"{seen.op} returned {seen.nbytes} bytes; N x V x 4 = {full}"
-        )
-        with _LargestTensor() as seen:
-            lm_head(hidden, weight, norm_weight, outputs=("logits",), **kw)
-        assert seen.nbytes >= full, f"tracker missed the logits output ({seen.nbytes} bytes)"
+    with _LargestTensor() as seen:
+        lm_head(hidden, weight, norm_weight, outputs=("lse", "argmax", "topk", "draft"), **kw)
+    assert seen.nbytes <= full // 8, f"{seen.op} returned {seen.nbytes} bytes; N x V x 4 = {full}"
+    with _LargestTensor() as seen:
+        lm_head(hidden, weight, norm_weight, outputs=("logits",), **kw)
+    assert seen.nbytes >= full, f"tracker missed the logits output ({seen.nbytes} bytes)"
 
 
 def test_choose_chunk_bounds_the_tile():
@@ -1099,8 +1067,10 @@ class TestCudaRealSizes:
         draft = torch.randperm(self.V, device="cuda", generator=g)[: self.VD].sort().values
         kw = {"k": self.K, "draft_ids": draft}
         oracle = lm_head_oracle(hidden, weight, norm_weight, row_block=512, **kw)
-        plain = plain_torch(hidden, weight, norm_weight, **kw)
-        return hidden, weight, norm_weight, kw, oracle, plain
+        yardstick = lm_head_oracle(
+            hidden, weight, norm_weight, row_block=512, same_dtype=True, **kw
+        )
+        return hidden, weight, norm_weight, kw, oracle, yardstick
 
     @pytest.mark.parametrize("impl", IMPLS)
     @pytest.mark.parametrize(
@@ -1109,12 +1079,12 @@ class TestCudaRealSizes:
         ids=lambda o: "+".join(o),
     )
     def test_matches_oracle(self, case, impl, outputs):
-        hidden, weight, norm_weight, kw, oracle, plain = case
+        hidden, weight, norm_weight, kw, oracle, yardstick = case
         out = lm_head(hidden, weight, norm_weight, outputs=outputs, impl=impl, **kw)
         check_outputs(
             out,
             oracle,
-            plain,
+            yardstick,
             outputs=outputs,
             atol=1e-4,
             rtol=1e-5,
@@ -1149,12 +1119,12 @@ class TestCudaRealSizes:
         draft = torch.arange(0, 4099, 3, device="cuda")
         kw = {"norm": "none", "k": k, "draft_ids": draft}
         oracle = lm_head_oracle(hidden, weight, None, **kw)
-        plain = plain_torch(hidden, weight, None, **kw)
+        yardstick = lm_head_oracle(hidden, weight, None, same_dtype=True, **kw)
         out = lm_head(hidden, weight, None, outputs=ALL_OUTPUTS, impl=impl, **kw)
         check_outputs(
             out,
             oracle,
-            plain,
+            yardstick,
             outputs=ALL_OUTPUTS,
             atol=1e-5,
             rtol=1e-6,

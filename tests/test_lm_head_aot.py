@@ -1,11 +1,11 @@
 """Ahead-of-time compilation of the head kernels for Hopper (sm_90), on a machine without a GPU.
 
-Every `_lm_head_fwd_kernel` variant in `_aot_variants()` is compiled with the block sizes,
-warps and stages the launcher picks for N=8192, H=4096, V=151,936 (`compile_for` uses the
-launcher's own `_default_config`), and the norm prologue for each norm mode. Asserted:
+Every `_lm_head_fwd_kernel` variant in `_triton_aot.aot_variants()` is compiled with the block
+sizes, warps and stages the launcher picks for N=8192, H=4096, V=151,936 (`compile_for` uses
+the launcher's own `default_config`), and the norm prologue for each norm mode. Asserted:
   - bf16 / fp16 weights run on tensor cores: `wgmma` in the PTX;
   - ptxas register spills: 0 bytes for variants without top-k, at most
-    `_TOPK_SPILL_BOUND` bytes with top-k (the bound is stated in kernels/lm_head_triton.py);
+    `TOPK_SPILL_BOUND` bytes with top-k (the bound is stated in kernels/_triton_aot.py);
   - shared memory within Hopper's 227 KB per block.
 Spill counts come from the ptxas log of the real compile (TRITON_DUMP_PTXAS_LOG), i.e. the
 same ptxas and flags triton uses for the cubin. Each kernel is compiled once per session in
@@ -24,17 +24,20 @@ from dataclasses import replace
 
 import pytest
 import torch
+from eagle_fast.kernels import HeadOutput
 from eagle_fast.kernels._common import HeadRequest
 
 triton = pytest.importorskip("triton")
 
 lm = importlib.import_module("eagle_fast.kernels.lm_head_triton")
+aot = importlib.import_module("eagle_fast.kernels._triton_aot")
+cfgs = importlib.import_module("eagle_fast.kernels._triton_config")
 if not isinstance(lm._lm_head_fwd_kernel, triton.runtime.jit.JITFunction):
     # TRITON_INTERPRET=1 at import time made them InterpretedFunctions
     pytest.skip("kernels were built for the interpreter: no AOT compile", allow_module_level=True)
 
 HOPPER_SMEM_LIMIT = 227 * 1024
-VARIANTS = dict(lm._aot_variants())
+VARIANTS = dict(aot.aot_variants())
 
 
 def _ptxas_usage(log: str) -> tuple[int, int]:
@@ -84,19 +87,19 @@ def hopper(tmp_path_factory):
 def _compile_key(variant) -> tuple:
     """What determines the compiled kernel: variants that differ only in flags a re-run
     switches off compile once."""
-    cfg = lm._default_config(variant, 8192, 151_936, 4096, interpret=False)
-    consts = lm._fwd_constexprs(variant, cfg, interpret=False)
-    return ("fwd", cfg, tuple(sorted(consts.items())), tuple(lm._fwd_signature(variant).items()))
+    cfg = cfgs.default_config(variant, 8192, 151_936, 4096, interpret=False)
+    consts = cfgs.fwd_constexprs(variant, cfg, interpret=False)
+    return ("fwd", cfg, tuple(sorted(consts.items())), tuple(aot.fwd_signature(variant).items()))
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_fwd_kernel_compiles_for_hopper(hopper, name):
     variant = VARIANTS[name]
-    res = hopper(_compile_key(variant), lambda target: lm.compile_for(target, variant))
+    res = hopper(_compile_key(variant), lambda target: aot.compile_for(target, variant))
     cfg = res["cfg"]
     if variant.weight in ("bf16", "fp16"):
         assert res["wgmma"], f"{name}: no wgmma in the PTX (tensor cores not used)"
-    bound = lm._TOPK_SPILL_BOUND if variant.topk else 0
+    bound = aot.TOPK_SPILL_BOUND if variant.topk else 0
     assert res["spill"] <= bound, (
         f"{name}: {res['spill']} B spilled (bound {bound}), {res['regs']} registers"
     )
@@ -118,7 +121,7 @@ def test_fwd_kernel_compiles_for_hopper(hopper, name):
 def test_norm_kernel_compiles_for_hopper(hopper, hidden, weight, norm_mode):
     res = hopper(
         ("norm", hidden, weight, norm_mode),
-        lambda target: (lm.compile_norm_for(target, hidden, weight, norm_mode), None),
+        lambda target: (aot.compile_norm_for(target, hidden, weight, norm_mode), None),
     )
     assert res["spill"] == 0, f"norm kernel spilled {res['spill']} B"
     assert res["shared"] <= HOPPER_SMEM_LIMIT
@@ -149,7 +152,7 @@ def test_launcher_picks_only_compiled_variants(out_dtype):
                 draft_ids=torch.arange(0, V, 5, device="meta") if "draft" in outputs else None,
                 out_dtype=out_dtype,
             )
-            out = lm.HeadOutput(lse=None, argmax=None)
+            out = HeadOutput(lse=None, argmax=None)
             out.logits = object() if "logits" in outputs else None
             out.logprobs = object() if "logprobs" in outputs else None
             out.draft_logprobs = object() if "draft" in outputs else None
@@ -157,7 +160,7 @@ def test_launcher_picks_only_compiled_variants(out_dtype):
             v = head.variant
             key = replace(v, out="bf16") if v.logits else v
             assert key in compiled, f"{sorted(outputs)} softcap={softcap}: {v} not AOT-compiled"
-            assert head.cfg == lm._default_config(key, N, V, H, interpret=False)
+            assert head.cfg == cfgs.default_config(key, N, V, H, interpret=False)
             if v.topk:  # the exact re-run of crowded tiles
                 assert replace(key, tile_list=True) in compiled, f"{v}: re-run not compiled"
 

@@ -1,4 +1,4 @@
-"""Kernel-internal tests of kernels/lm_head_triton.py (the Triton head), beyond the public-API suite.
+"""Kernel-internal tests of the Triton head (kernels/lm_head_triton.py and its _triton_* modules).
 
 What: the interpreter switch (per launch, leaves triton untouched), the RNE rounding that
 replaces the interpreter's truncating casts, the int64 top-k keys, the exact re-run of rows
@@ -16,13 +16,18 @@ import torch
 import triton
 import triton.language as tl
 from _assert import assert_close, assert_ids_equal
+from _oracle import lm_head_oracle
+from eagle_fast.kernels import _triton_aot as aot
+from eagle_fast.kernels import _triton_config as cfgs
+from eagle_fast.kernels import _triton_jit as jit
+from eagle_fast.kernels import _triton_merge as merge
+from eagle_fast.kernels import _triton_norm as norm
 from eagle_fast.kernels import lm_head
-from eagle_fast.kernels.reference import lm_head_oracle
+from eagle_fast.kernels._triton_interpret import run_kernel
+from eagle_fast.kernels._triton_jit import pack_key, round_rne
 from triton.runtime.jit import JITFunction
 
 lm = importlib.import_module("eagle_fast.kernels.lm_head_triton")
-_pack_key = lm._pack_key
-_round_rne = lm._round_rne
 
 ALL = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
 
@@ -32,7 +37,7 @@ def _round_kernel(X_ptr, Y_ptr, n, BLOCK: tl.constexpr, INTERPRET: tl.constexpr)
     offs = tl.arange(0, BLOCK)
     x = tl.load(X_ptr + offs, mask=offs < n, other=0.0)
     if INTERPRET:
-        x = _round_rne(x, Y_ptr.dtype.element_ty)
+        x = round_rne(x, Y_ptr.dtype.element_ty)
     tl.store(Y_ptr + offs, x.to(Y_ptr.dtype.element_ty), mask=offs < n)
 
 
@@ -40,11 +45,11 @@ def _round_kernel(X_ptr, Y_ptr, n, BLOCK: tl.constexpr, INTERPRET: tl.constexpr)
 def _pack_kernel(X_ptr, Out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     x = tl.load(X_ptr + offs, mask=offs < n, other=float("-inf"))
-    tl.store(Out_ptr + offs, _pack_key(x, offs), mask=offs < n)
+    tl.store(Out_ptr + offs, pack_key(x, offs), mask=offs < n)
 
 
 def _interp(kernel, *args, **kwargs):
-    lm._run_kernel(kernel, (1,), True, *args, **kwargs)
+    run_kernel(kernel, (1,), True, *args, **kwargs)
 
 
 def _rounding_probe(dtype) -> torch.Tensor:
@@ -80,9 +85,9 @@ def test_interpreter_launch_leaves_triton_untouched():
     assert JITFunction.__call__ is call_before
     assert tl.core.full is full_before
     assert isinstance(lm._lm_head_fwd_kernel, JITFunction)  # still compilable ahead of time
-    assert isinstance(lm._rms_norm_kernel, JITFunction)
+    assert isinstance(norm._rms_norm_kernel, JITFunction)
     with pytest.raises(RuntimeError, match="outside of the scope of a kernel"):
-        lm._tanh(torch.zeros(1))
+        jit.tanh(torch.zeros(1))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -101,7 +106,7 @@ def test_round_rne_matches_torch_cast(dtype):
 
 
 def test_interpreter_cast_truncates_without_the_fix():
-    """The reason for _round_rne: the bare interpreter cast does not round (a test that
+    """The reason for round_rne: the bare interpreter cast does not round (a test that
     would start failing if triton fixed it, so the workaround can go)."""
     x = _rounding_probe(torch.bfloat16)
     y = torch.empty(x.numel(), dtype=torch.bfloat16)
@@ -119,7 +124,7 @@ def test_pack_key_orders_by_value_then_lower_id():
     want = torch.sort(vals, descending=True, stable=True).indices  # equal values: lower id
     assert_ids_equal(order, want, name="key order")
     assert len(set(keys.tolist())) == vals.numel(), "keys must be unique"
-    got_vals, got_ids = lm._unpack_keys(keys)
+    got_vals, got_ids = merge.unpack_keys(keys)
     assert_ids_equal(got_ids, torch.arange(vals.numel()), name="decoded ids")
     assert torch.equal(got_vals.abs(), vals.abs())  # -0.0 packs as +0.0 (they tie)
 
@@ -128,7 +133,7 @@ def test_pack_key_marks_minus_inf_as_empty():
     vals = torch.tensor([float("-inf"), 1.0])
     keys = torch.empty(2, dtype=torch.int64)
     _interp(_pack_kernel, vals, keys, 2, BLOCK=16)
-    assert keys[0].item() == lm._KEY_NONE_INT and keys[1].item() > keys[0].item()
+    assert keys[0].item() == jit.KEY_NONE and keys[1].item() > keys[0].item()
 
 
 # --------------------------------------------------------------------------- head behaviour
@@ -218,9 +223,9 @@ def test_row_chunks_under_a_tiny_scratch_budget(monkeypatch, out_dtype):
 
 def test_default_configs_are_deterministic_and_fit_hopper():
     seen = set()
-    for _, v in lm._aot_variants():
-        cfg = lm._default_config(v, 8192, 151_936, 4096, interpret=False)
-        assert cfg == lm._default_config(v, 8192, 151_936, 4096, interpret=False)
+    for _, v in aot.aot_variants():
+        cfg = cfgs.default_config(v, 8192, 151_936, 4096, interpret=False)
+        assert cfg == cfgs.default_config(v, 8192, 151_936, 4096, interpret=False)
         w_bytes = 4 if v.weight == "fp32" else 2
         smem = (cfg.BLOCK_N + cfg.BLOCK_V) * cfg.BLOCK_H * w_bytes * cfg.num_stages
         assert smem <= 227 * 1024, (v, cfg)
