@@ -17,7 +17,7 @@ What it does
       capture / capture-padded the engine alone (unpadded rows / full rows), for the head share
     and reports tokens/s (non-pad tokens / call time), the head's share of each call
     (1 - capture time / call time) and peak extra memory of each call (main-process RSS: the
-    vLLM engine runs in its own processes), then prints issue 4's goals as PASS/FAIL lines.
+    vLLM engine runs in its own processes), then prints the runner goals as PASS/FAIL lines.
 
 Design
     One engine serves every method, so engine noise hits all alike; rounds are interleaved

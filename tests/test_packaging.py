@@ -1,4 +1,4 @@
-"""Import hygiene and environment checks (issue 2).
+"""Import hygiene and environment checks.
 
 - `kernels/` installs only as `eagle_fast.kernels`; no top-level `kernels` module is installed,
   because it would shadow Hugging Face's `kernels` package that transformers imports. Checked

@@ -1,4 +1,4 @@
-"""Draft vocabulary (issue 6): loss-masked frequencies -> d2t / t2d as SpecForge and NeMo store them."""
+"""Draft vocabulary: loss-masked frequencies -> d2t / t2d as SpecForge and NeMo store them."""
 
 from __future__ import annotations
 
