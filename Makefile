@@ -37,6 +37,7 @@ ISA_TESTS  := tests/test_lm_head.py tests/test_runner_hf.py tests/test_runner_vl
               tests/test_e2e_vllm.py tests/test_extract.py tests/test_same_bytes.py
 
 test: $(STAMP)
+	@$(BIN)/python -c "from eagle_fast.kernels._cpu import cpu_isa, cpu_model; print('cpu:', cpu_model(), '-', cpu_isa())"
 	$(BIN)/python -m pytest -q
 ifeq ($(HAS_AVX512),1)
 	@$(MAKE) --no-print-directory test-avx2

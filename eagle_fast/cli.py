@@ -107,7 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_extract(a: argparse.Namespace) -> int:
-
     cfg = ExtractConfig(
         model=a.model, data=a.data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
         supervision=a.supervision, k=a.k, draft_vocab=a.draft_vocab, max_len=a.max_len,
@@ -122,13 +121,11 @@ def cmd_extract(a: argparse.Namespace) -> int:
 
 
 def cmd_vocab(a: argparse.Namespace) -> int:
-
     build_vocab(a.model, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong)
     return 0
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
-
     if a.samples < 1:
         raise UserError(f"--samples must be at least 1, got {a.samples}", "pass e.g. --samples 8")
     ok, reports, picks = verify(a.dir, a.model, samples=a.samples, seed=a.seed, tol_scale=a.tolerance_scale)
@@ -137,7 +134,6 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-
     if a.json:
         read_manifest(a.dir)  # validates
         print((Path(a.dir) / MANIFEST_NAME).read_text(), end="")
@@ -147,14 +143,12 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_merge(a: argparse.Namespace) -> int:
-
     m = merge(a.dir, a.parts)
     print(f"merged {len(m['shards'])} shards ({m['num_samples']:,} samples) into {a.dir}/manifest.json")
     return 0
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-
     return run_demo(engine=a.engine, out=a.out, cache=a.cache)
 
 

@@ -55,13 +55,11 @@ def demo_spec():
 
 
 def build_demo_model(cache: Path) -> Path:
-
     spec = demo_spec()
     return build_tiny_checkpoint(cache / "models" / f"demo-{spec.key()}", spec)
 
 
 def run_demo(engine: str = "auto", out: str | None = None, cache: str | None = None) -> int:
-
     t0 = time.perf_counter()
     # Keep the demo's output readable: vLLM logs engine steps at INFO and a harmless
     # "chat template warmup failed" traceback at WARNING (we pass token ids, no tokenizer).

@@ -86,7 +86,6 @@ class TinySpec:
     tokenizer_vocab: int = 600  # BPE size; must be <= vocab_size
 
     def key(self) -> str:
-
         blob = json.dumps(asdict(self), sort_keys=True).encode()
         return f"{self.arch}-h{self.hidden_size}-l{self.num_hidden_layers}-v{self.vocab_size}-" + (
             hashlib.sha256(blob).hexdigest()[:10]

@@ -190,19 +190,22 @@ def test_bad_input_leaves_nothing_behind(vllm_llama):
 
 
 def test_failed_check_still_deletes_every_file(vllm_llama, monkeypatch):
-    real_split = type(vllm_llama)._split
+    from eagle_fast.runners import _vllm_compat as compat
+
+    real_read = compat.read_hidden_states
     calls = []
 
-    def split_then_fail(self, i, *args):
-        calls.append(i)
-        if i == 1:
-            raise RuntimeError("injected check failure")
-        return real_split(self, i, *args)
+    def read_then_fail(path, **kw):  # the second file fails its checks
+        calls.append(path)
+        data = real_read(path, **kw)
+        if len(calls) == 2:
+            data = {**data, "hidden_states": data["hidden_states"][:1]}
+        return data
 
-    monkeypatch.setattr(type(vllm_llama), "_split", split_then_fail)
-    with pytest.raises(RuntimeError, match="injected"):
+    monkeypatch.setattr(compat, "read_hidden_states", read_then_fail)
+    with pytest.raises(RuntimeError, match="shape"):
         vllm_llama.capture([[1, 2, 3], [4, 5], [6, 7, 8, 9]])
-    assert calls == [0, 1]
+    assert len(calls) == 2
     assert os.listdir(vllm_llama.storage_dir) == [], (
         "unread capture files must be deleted on errors"
     )
@@ -210,14 +213,21 @@ def test_failed_check_still_deletes_every_file(vllm_llama, monkeypatch):
     assert len(vllm_llama.capture([[1, 2, 3]])) == 1
 
 
-def test_capture_checks_reject_corrupt_files(vllm_llama):
-    """The per-file checks, fed crafted contents (the engine's own output passes them above)."""
+def test_capture_checks_reject_corrupt_files(vllm_llama, monkeypatch):
+    """The per-file checks, fed crafted contents through the engine seam (the engine's own
+    output passes them above)."""
+    from eagle_fast.runners import _vllm_compat as compat
+
     seq = [5, 6, 7]
     good = vllm_llama.capture([seq])[0]
     n_ids, H = len(vllm_llama.capture_ids), 128
     hs = torch.randn(3, n_ids, H)
     ok = {"hidden_states": hs, "token_ids": torch.tensor(seq)}
-    assert len(vllm_llama._split(0, seq, seq, ok)) == 2 and good[0].shape == (3, 3 * H)
+    crafted = {}
+    real_read = compat.read_hidden_states  # reads (and deletes) the engine's file; we swap its contents
+    monkeypatch.setattr(compat, "read_hidden_states", lambda path, **kw: (real_read(path, **kw), crafted["data"])[1])
+    crafted["data"] = ok
+    assert len(vllm_llama.capture([seq])[0]) == 2 and good[0].shape == (3, 3 * H)
     cases = [
         ({**ok, "token_ids": torch.tensor([5, 6, 8])}, "do not equal the request"),
         ({**ok, "hidden_states": hs[:2]}, "shape"),
@@ -226,8 +236,11 @@ def test_capture_checks_reject_corrupt_files(vllm_llama):
         ({**ok, "hidden_states": hs.double()}, "dtype"),
     ]
     for data, message in cases:
+        crafted["data"] = data
         with pytest.raises(RuntimeError, match=message):
-            vllm_llama._split(0, seq, seq, data)
+            vllm_llama.capture([seq])
+    monkeypatch.undo()
+    assert os.listdir(vllm_llama.storage_dir) == []
 
 
 def test_missing_norm_fails_before_any_engine(tiny_llama, tmp_path):

@@ -19,7 +19,6 @@ from eagle_fast.store.manifest import (
 
 
 def inspect_text(directory: str) -> str:
-
     root = Path(directory)
     parts = list_part_manifests(root) if root.is_dir() else []
     if root.is_dir() and not (root / MANIFEST_NAME).exists() and parts:

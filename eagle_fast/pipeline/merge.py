@@ -126,7 +126,6 @@ def merge(out: str, sources: list[str] | None = None) -> dict:
 
 
 def _speculators_arrow_from_files(root: Path, m: dict) -> None:
-
     pairs = []
     for rec in m["shards"]:
         for f in rec["files"]:
@@ -161,7 +160,6 @@ def _bring(src: Path, dst: Path, rec: dict) -> None:
 
 
 def _check_path(path: Path, rec: dict) -> str | None:
-
     if not path.exists():
         return f"{rec['path']} is missing"
     if path.stat().st_size != rec["bytes"] or sha256_file(path) != rec["sha256"]:

@@ -241,7 +241,6 @@ class RunnerBase:
         device: torch.device,
         max_model_len: int,
     ) -> None:
-
         self.model_path = str(model_path)
         self.config = config
         self.text_config = text_config(config)

@@ -74,6 +74,11 @@ class Eagle3Dataset(Dataset):
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def open_files(self) -> list[str]:
+        """The shard files this process has opened so far (they open lazily, memory-mapped)."""
+        return sorted(str(k) for k in self._h())
+
     def _locate(self, index: int) -> tuple[dict, int]:
         if index < 0:
             index += self._len

@@ -122,7 +122,7 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
 
 
 def open_safetensors(path: Path, handles: dict | None):
-
+    """A `safe_open` handle on `path`, kept in (and reused from) `handles` when given."""
     key = str(path)
     if handles is not None and key in handles:
         return handles[key]

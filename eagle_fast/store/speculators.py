@@ -68,7 +68,6 @@ class SpeculatorsLayout(Layout):
         return _SpeculatorsSink(root, shard)
 
     def read_sample(self, root, shard_record, local_index, handles=None):
-
         return load_file(str(root / shard_record["files"][local_index]["path"]))
 
 
