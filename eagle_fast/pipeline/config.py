@@ -106,7 +106,7 @@ def default_runner_factory(engine: str, model: str, dtype: torch.dtype, max_len:
     return HFTargetRunner.build(model, dtype=dtype)
 
 
-# -------------------------------------------------------------------------- progress
+# ------------------------------------------------------------------------------ logging
 
 
 def _fmt_secs(s: float) -> str:
@@ -121,7 +121,7 @@ def log(msg: str) -> None:
     sys.stderr.flush()
 
 
-# ---------------------------------------------------------------------------- extract
+# ----------------------------------------------------------------------------- settings
 
 
 @dataclass
