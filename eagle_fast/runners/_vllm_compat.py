@@ -304,7 +304,6 @@ def read_hidden_states(path: str, timeout_s: float = 600.0) -> dict[str, torch.T
 
     The files are removed even when loading fails.
     """
-
     try:
         _wait_written(path, timeout_s)
         return load_file(path, device="cpu")
