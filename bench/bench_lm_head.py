@@ -10,13 +10,17 @@ What it does
                        full bf16 logits, reductions on logits.float() as users write them
       3 lm_head-torch  lm_head(impl="torch"), the chunked reference / CPU path
       4 lm_head-triton lm_head(impl="triton"), CUDA only
-      5 gemm-bf16      the bare GEMM y @ W.T on the already-normalised bf16 y, CUDA only:
-                       the floor any head must pay
-    and reports median time, TFLOP/s (2*N*H*V / t), peak extra memory and bytes per token,
-    then prints the issue's targets as PASS/FAIL lines.
+      5 gemm-floor     the bare GEMM y @ W.T of the shape on the already-normalised y, fp32
+                       out, in this device's fastest exact mode (`_floor.py`): the floor any
+                       head must pay
+    and reports median time, TFLOP/s (2*N*H*V / t), peak extra memory, bytes per token, each
+    head's time as a ratio to the floor and (PyTorch head) its time by phase, then prints the
+    issue's targets as PASS/FAIL lines. The floor cases (`shapes.FLOOR_SHAPES`) run only the
+    floor and the head.
 
 Output modes: lse+argmax | topk64 | draft32k (log-softmax over a 32k draft subset + argmax
-mask) | logits-bf16 (full logits, bf16) | all (lse+argmax+topk64+draft32k: the CPU target).
+mask: outputs ("draft", "argmax"), no lse) | logits-bf16 (full logits, bf16) | all
+(lse+argmax+topk64+draft32k: the CPU target).
 
 Three ways to run it
     make bench                               pytest-benchmark over the CPU suite (bench/run.py)
@@ -62,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _floor
 import _harness as H
 import shapes
 from eagle_fast.kernels._cpu import bf16_gemm_is_native
@@ -70,7 +75,7 @@ from shapes import HeadShape
 MODES = {
     "lse+argmax": {"outputs": ("lse", "argmax")},
     "topk64": {"outputs": ("topk",), "k": shapes.TOPK},
-    "draft32k": {"outputs": ("draft",)},
+    "draft32k": {"outputs": ("draft", "argmax")},
     "logits-bf16": {"outputs": ("logits",), "out_dtype": torch.bfloat16},
     "all": {"outputs": ("lse", "argmax", "topk", "draft"), "k": shapes.TOPK},
 }
@@ -81,9 +86,10 @@ PROVIDERS = {
     "torch-native": "2 plain torch, weight dtype, full logits",
     "lm_head-torch": "3 lm_head(impl='torch')",
     "lm_head-triton": "4 lm_head(impl='triton')",
-    "gemm-bf16": "5 bare bf16 GEMM y @ W.T (floor)",
+    "gemm-floor": "5 bare GEMM y @ W.T, fp32 out (the floor)",
 }
-CUDA_ONLY = ("lm_head-triton", "gemm-bf16")
+CUDA_ONLY = ("lm_head-triton",)
+FLOOR_PROVIDERS = ("gemm-floor", "lm_head-torch")
 
 EPS = 1e-6
 
@@ -116,7 +122,7 @@ class Inputs:
     draft_mask: torch.Tensor      # bool [V]: t2d
     w32_t: torch.Tensor | None = None   # seed: fp32 [H, V] copy, made once (as the seed does)
     norm32: torch.Tensor | None = None  # seed: fp32 norm multiplier (1 + w for Gemma)
-    y_bf16: torch.Tensor | None = None  # gemm floor: the normalised activation [N, H]
+    floor: _floor.BareGemm | None = None  # the bare GEMM, operands prepared
 
     @property
     def resident_seed_bytes(self) -> int:
@@ -161,8 +167,8 @@ def build_inputs(shape: HeadShape, device: str, providers=tuple(PROVIDERS), seed
         inp.w32_t = weight.float().t().contiguous()
         n32 = norm_weight.float()
         inp.norm32 = 1.0 + n32 if shape.norm == "rms_one_plus" else n32
-    if "gemm-bf16" in providers:
-        inp.y_bf16 = _norm32(inp).to(dtype)
+    if "gemm-floor" in providers:
+        inp.floor = _floor.BareGemm(_norm32(inp).to(dtype), weight, device)
     return inp
 
 
@@ -237,15 +243,12 @@ def make_providers(inp: Inputs, mode: str, names) -> dict:
             return lm_head(inp.hidden, inp.weight, inp.norm_weight, eps=EPS, norm=norm, impl=impl, **kw)
         return call
 
-    def gemm_bf16():
-        return {"logits": torch.matmul(inp.y_bf16, inp.weight.t())}
-
     table = {
         "seed-fp32": seed_fp32,
         "torch-native": torch_native,
         "lm_head-torch": lambda: lm_head_impl("torch"),
         "lm_head-triton": lambda: lm_head_impl("triton"),
-        "gemm-bf16": gemm_bf16,
+        "gemm-floor": inp.floor,
     }
     out = {}
     for n in names:
@@ -272,6 +275,8 @@ def summarize(name: str, result) -> dict:
     """What the cross-check and the memory report need of one output: small tensors only."""
     f = _fields(result)
     keep = {k: f[k].detach().cpu() for k in ("argmax", "lse") if k in f}
+    if "argmax" not in keep and "logits" in f:  # full logits (the floor's): their argmax
+        keep["argmax"] = f["logits"].argmax(-1).cpu()
     keep["_output_bytes"] = output_bytes(result)
     return keep
 
@@ -307,6 +312,19 @@ def providers_for(device: str, smoke: bool = False) -> list[str]:
     return [p for p in PROVIDERS if p not in CUDA_ONLY]
 
 
+def is_floor_case(shape: HeadShape) -> bool:
+    return any((shape.name, shape.n_tokens) == (s.name, s.n_tokens) for s in shapes.FLOOR_SHAPES)
+
+
+def names_for(shape: HeadShape, device: str, smoke: bool = False) -> list[str]:
+    """Providers of one case: the floor cases run the floor and the head only."""
+    names = providers_for(device, smoke)
+    if is_floor_case(shape):
+        head = "lm_head-triton" if device == "cuda" else "lm_head-torch"
+        return [n for n in names if n in ("gemm-floor", head)]
+    return names
+
+
 def run_case(inp: Inputs, mode: str, names, *, rounds=None, benchmark=None) -> tuple[list, dict]:
     """Measure one (shape, mode) for every provider in `names`. Returns (records, cross-check).
 
@@ -314,11 +332,15 @@ def run_case(inp: Inputs, mode: str, names, *, rounds=None, benchmark=None) -> t
     provider once, interleaved); otherwise a plain loop does.
     """
     device, shape = inp.device, inp.shape
-    kind = "target" if is_target(shape, mode, device) else "sweep"
+    kind = "target" if (is_target(shape, mode, device) or is_floor_case(shape)) else "sweep"
     warmups, n_rounds = rounds or ROUNDS[device][kind]
     sbs = H.SideBySide(make_providers(inp, mode, names), device, once=_once()[device], summarize=summarize)
     sbs.warmup(extra_warmups=warmups - 1)
     check = cross_check(sbs.timings, "seed-fp32" if "seed-fp32" in names else names[0])
+    phase_s = None
+    if "lm_head-torch" in sbs.providers and not sbs.timings["lm_head-torch"].error:
+        # one more call, under the phase clock (outside the timed rounds)
+        _, phase_s = _floor.phases(sbs.providers["lm_head-torch"], device)
     outs = {n: (t.result or {}).get("_output_bytes") for n, t in sbs.timings.items()}
     sbs.drop_results()
     if benchmark is not None:
@@ -329,6 +351,8 @@ def run_case(inp: Inputs, mode: str, names, *, rounds=None, benchmark=None) -> t
         for i in range(n_rounds):
             sbs.round(i)
     records = []
+    floor = sbs.timings.get("gemm-floor")
+    floor_s = floor.median if floor is not None and not floor.error else None
     for name, t in sbs.timings.items():
         med = t.median
         rec = {
@@ -343,7 +367,12 @@ def run_case(inp: Inputs, mode: str, names, *, rounds=None, benchmark=None) -> t
             "output_bytes": outs.get(name),
             "resident_bytes": inp.resident_seed_bytes if name == "seed-fp32" else 0,
             "status": "error: " + t.error if t.error else ("ok (called once)" if t.once else "ok"),
+            "vs_floor": (med / floor_s) if (med and floor_s) else None,
         }
+        if name == "gemm-floor":
+            rec["floor_kind"] = _floor.floor_kind(device, inp.weight.dtype)
+        if name == "lm_head-torch" and phase_s is not None:
+            rec["phases_s"] = phase_s
         rec.update(check.get(name, {}))
         if name.startswith("lm_head") and rec.get("argmax_agree", 1.0) < MIN_ARGMAX_AGREE:
             rec["status"] = (f"error: wrong result: argmax agrees with seed-fp32 on only "
@@ -400,6 +429,7 @@ def evaluate_targets(records: list, device: str, smoke: bool = False) -> H.Verdi
         _gpu_targets(v, records, s, ("lse+argmax", "draft32k", "topk64"), tag="smoke, meaningless: ")
     elif device == "cpu":
         _cpu_targets(v, records, *shapes.TARGETS["cpu"])
+        _floor_targets(v, records)
     else:
         _gpu_targets(v, records, *shapes.TARGETS["cuda"])
     return v
@@ -431,11 +461,31 @@ def _cpu_targets(v: H.Verdicts, records, shape: HeadShape, mode: str, tag: str =
         v.check(f"CPU memory ({where})", None, "not measured")
 
 
+def _floor_targets(v: H.Verdicts, records) -> None:
+    """The head's ("draft", "argmax") call against the bare GEMM of its shape (CPU)."""
+    for shape in shapes.FLOOR_SHAPES:
+        bound = shapes.FLOOR_GOALS[(shape.name, shape.n_tokens)]
+        head = _find(records, shape.name, shape.n_tokens, "draft32k", "lm_head-torch")
+        floor = _find(records, shape.name, shape.n_tokens, "draft32k", "gemm-floor")
+        where = f"N={shape.n_tokens} H={shape.hidden} V={shape.vocab} draft32k+argmax"
+        if not (head and floor and head["median_s"] and floor["median_s"]):
+            v.check(f"CPU head vs floor ({where})", None, "not measured")
+            continue
+        ph = head.get("phases_s") or {}
+        outside = ", ".join(f"{p} {100 * ph[p] / ph['total']:.0f}%" for p in _floor.PHASES
+                            if p != "gemm" and ph.get(p) and ph.get("total"))
+        v.check(f"CPU head vs floor ({where}): lm_head-torch <= {bound}x the bare GEMM",
+                head["vs_floor"] <= bound,
+                f"{H.fmt_s(head['median_s'])} vs {H.fmt_s(floor['median_s'])} "
+                f"({floor['floor_kind']}) = {head['vs_floor']:.2f}x; by phase: gemm "
+                f"{100 * ph.get('gemm', 0) / ph.get('total', 1):.0f}%, {outside}")
+
+
 def _gpu_targets(v: H.Verdicts, records, shape: HeadShape, modes, tag: str = "") -> None:
     nv2 = 2 * shape.n_tokens * shape.vocab
     for mode in modes:
         tri = _find(records, shape.name, shape.n_tokens, mode, "lm_head-triton")
-        gemm = _find(records, shape.name, shape.n_tokens, mode, "gemm-bf16")
+        gemm = _find(records, shape.name, shape.n_tokens, mode, "gemm-floor")
         seed = _find(records, shape.name, shape.n_tokens, mode, "seed-fp32")
         where = f"{tag}N={shape.n_tokens} H={shape.hidden} V={shape.vocab} {mode}"
         if not (tri and tri["median_s"]):
@@ -478,7 +528,8 @@ def suite(device: str, smoke: bool = False) -> list[tuple[HeadShape, str]]:
         cases += [(s, m) for s in shapes.sweep("cuda") if s.name != tshape.name for m in SWEEP_MODES]
         return cases
     tshape, tmode = shapes.TARGETS["cpu"]
-    return [(tshape, tmode)] + [(s, m) for s in shapes.sweep("cpu") for m in SWEEP_MODES]
+    floor = [(s, m) for s in shapes.FLOOR_SHAPES for m in shapes.FLOOR_MODES]
+    return [(tshape, tmode), *floor] + [(s, m) for s in shapes.sweep("cpu") for m in SWEEP_MODES]
 
 
 class InputCache:
@@ -494,7 +545,8 @@ class InputCache:
             gc.collect()
             if self.device == "cuda":
                 torch.cuda.empty_cache()
-            self.inp = build_inputs(shape, self.device, self.names)
+            names = [n for n in self.names if n in names_for(shape, self.device)]
+            self.inp = build_inputs(shape, self.device, names)
             self.key = key
         return self.inp
 
@@ -543,7 +595,7 @@ def run_suite(device: str, out_dir: Path, budget_s: float, smoke: bool = False) 
             skipped.append(f"{shape.name} N={shape.n_tokens} {mode}")
             continue
         inp = cache.get(shape)
-        recs, _ = run_case(inp, mode, names, rounds=(1, 2) if smoke else None)
+        recs, _ = run_case(inp, mode, names_for(shape, device, smoke), rounds=(1, 2) if smoke else None)
         if device == "cpu" and not smoke and is_cpu_target(shape, mode):
             add_subprocess_memory(recs, shape, mode)
         records += recs
@@ -606,7 +658,7 @@ if pytest is not None:
                              ids=[f"{s.name}-N{s.n_tokens}-{m}" for s, m in _CASES])
     def test_lm_head(benchmark, _collector, shape, mode):
         inp = _collector["cache"].get(shape)
-        recs, check = run_case(inp, mode, _NAMES, benchmark=benchmark)
+        recs, check = run_case(inp, mode, names_for(shape, _DEVICE), benchmark=benchmark)
         if _DEVICE == "cpu" and is_cpu_target(shape, mode):
             add_subprocess_memory(recs, shape, mode)
         _collector["records"] += recs

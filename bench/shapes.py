@@ -110,6 +110,18 @@ TARGETS = {
     "cuda": (MODELS["qwen3-8b"], ("lse+argmax", "draft32k", "topk64")),
 }
 
+# The head against the bare GEMM of its shape (`_floor.py`), at the shapes the floor goals are
+# stated on: the runner's tiny Qwen3 (H=256: the GEMM is cheap per logit, so every per-logit
+# pass shows) at the runner's N=8192, and Qwen3-0.6B's H=1024 at N=2048. Goal: the head's
+# ("draft", "argmax") call within FLOOR_GOALS x the floor.
+FLOOR_SHAPES = [
+    HeadShape(name="tiny-qwen3-h256", model="bench_runner's tiny Qwen3 (H=256, Qwen3's vocabulary)",
+              hidden=256, vocab=151_936, n_tokens=8192),
+    MODELS["qwen3-0.6b"].with_tokens(2048),
+]
+FLOOR_MODES = ("draft32k", "lse+argmax")
+FLOOR_GOALS = {("tiny-qwen3-h256", 8192): 1.3, ("qwen3-0.6b", 2048): 1.1}
+
 # A seconds-long smoke suite: exercises every code path (the Triton provider through the
 # interpreter on CPU) without measuring anything meaningful.
 SMOKE = [

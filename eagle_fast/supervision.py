@@ -47,7 +47,9 @@ class Supervision:
 
     aux_hidden_states  [B, S, 3H]  target dtype, the three aux layers concatenated
     attention_mask     [B, S]      as given
-    lse, argmax        [B, S]      fp32 / int64, always filled
+    argmax             [B, S]      int64, always filled
+    lse                [B, S]      fp32, when "lse", "logprobs" or "topk" is requested (only those
+                                   pay for an exp of every logit)
     logits, logprobs   [B, S, V]   out_dtype (default: the target dtype), only when requested
     topk_ids           [B, S, k]   int64;  topk_logprobs [B, S, k] out_dtype;  topk_tail [B, S] fp32
     draft_logprobs     [B, S, Vd]  out_dtype, log_softmax over the draft ids (exp() = EAGLE-3's target_p)
@@ -212,7 +214,9 @@ def bytes_per_token(
     while they are copied, and of the fields they end up in."""
     h_el, o_el = head_dtype.itemsize, out_dtype.itemsize
     V = head.vocab_size
-    widths = {"lse": (4, 4), "argmax": (8, 8)}  # name -> (staged, kept) bytes per token
+    widths = {"argmax": (8, 8)}  # name -> (staged, kept) bytes per token
+    if {"lse", "logprobs", "topk"} & set(head_outputs):
+        widths["lse"] = (4, 4)
     if "logits" in head_outputs:
         widths["logits"] = (h_el * V, o_el * V)
     if "logprobs" in head_outputs:

@@ -276,8 +276,11 @@ def lm_head(
             ... * (1 + w)) or "none" (hidden already normalised).
         logit_scale: finite, multiplies logits before the softcap.
         softcap: None or > 0: logits = softcap * tanh(logits / softcap) (Gemma 2).
-        outputs: any of "logits", "logprobs", "lse", "argmax", "topk", "draft" (lse and argmax
-            are always filled).
+        outputs: any of "logits", "logprobs", "lse", "argmax", "topk", "draft". Only what is
+            asked for is computed: argmax is always filled (one max per tile), lse only with
+            "lse", "logprobs" or "topk", the outputs that need an exp of every logit. So
+            ("draft", "argmax") pays for the GEMM, a max per tile and an exp over the draft
+            columns alone.
         k: top-k size, 1 <= k <= V, any integer; read only for "topk".
         draft_ids: [Vd] strictly increasing target ids of the draft vocabulary (any integer
             dtype); read only for "draft". See `draft_ids_from_d2t` / `draft_ids_from_t2d`.
@@ -285,8 +288,8 @@ def lm_head(
         impl: "auto" | "triton" | "torch".
 
     Returns:
-        HeadOutput with leading dims of `hidden`: lse [...] fp32, argmax [...] int64 (ties ->
-        lower id); logits / logprobs [..., V]; topk_ids [..., k] int64 and topk_logprobs
+        HeadOutput with leading dims of `hidden`: argmax [...] int64 (ties -> lower id); lse
+        [...] fp32 (None unless computed, see `outputs`); logits / logprobs [..., V]; topk_ids [..., k] int64 and topk_logprobs
         [..., k] ordered by (probability desc, id asc), topk_tail [...] fp32 mass outside the
         top-k; draft_logprobs [..., Vd] (log_softmax over the draft ids only) and
         argmax_in_draft [...] bool. Unrequested fields are None.
@@ -330,7 +333,7 @@ def lm_head_logits(
     out: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...] | None = None,
 ):
     """Full fp32 logits `[..., V]` and nothing else: `lm_head(..., outputs=("logits",)).logits`
-    without the lse/argmax reductions that `lm_head` always runs, written in place into `out`.
+    without any reduction (not even the argmax `lm_head` always runs), written in place into `out`.
 
     Same arguments and semantics as `lm_head` (norm, rounding of the normalised activation,
     fp32 accumulation, scale, softcap). `out`, when given, is an fp32 tensor on hidden's device

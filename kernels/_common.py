@@ -11,6 +11,7 @@ Both return a `HeadOutput` with 2-D / 1-D fields (N leading); the public functio
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 
 import torch
@@ -26,8 +27,10 @@ class HeadOutput:
     """What `lm_head` returns. Fields not requested are None; leading dims `...` follow `hidden`.
 
     logits, logprobs    [..., V]   out_dtype. logprobs = log_softmax over the full vocabulary.
-    lse                 [...]      fp32 logsumexp over the full vocabulary (always filled).
-    argmax              [...]      int64, ties to the lower id (always filled).
+    lse                 [...]      fp32 logsumexp over the full vocabulary. Filled when "lse",
+                                   "logprobs" or "topk" is requested: only those need an exp
+                                   of every logit, so "draft" / "argmax" alone never pay for it.
+    argmax              [...]      int64, ties to the lower id (always filled: one max per tile).
     topk_ids            [..., k]   int64, descending probability, ties to the lower id.
     topk_logprobs       [..., k]   out_dtype, normalised over the FULL vocabulary.
     topk_tail           [...]      fp32, probability mass outside the top-k (clamped >= 0).
@@ -36,7 +39,7 @@ class HeadOutput:
     argmax_in_draft     [...]      bool, whether the full-vocab argmax is a draft token.
     """
 
-    lse: torch.Tensor
+    lse: torch.Tensor | None
     argmax: torch.Tensor
     logits: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
@@ -66,7 +69,8 @@ class HeadRequest:
     weight       [V, H] contiguous rows (stride(1) == 1)
     norm_weight  [H] or None (None iff norm == "none")
     draft_ids    int64 [Vd] strictly increasing in [0, V), same device, or None
-    outputs      frozenset of OUTPUT_NAMES; "lse" and "argmax" are always computed
+    outputs      frozenset of OUTPUT_NAMES; "argmax" is always computed, "lse" when
+                 `needs_lse` (requested, or the by-product of logprobs / top-k)
     k            0 unless "topk" requested, then 1 <= k <= V
     """
 
@@ -92,3 +96,51 @@ class HeadRequest:
 
     def wants(self, name: str) -> bool:
         return name in self.outputs
+
+    @property
+    def needs_lse(self) -> bool:
+        """Whether the full-vocabulary logsumexp (an exp of every logit) is computed: for
+        "lse" itself, and for logprobs and top-k (log-probs and tail mass are relative to it)."""
+        return bool(self.outputs & {"lse", "logprobs", "topk"})
+
+
+class PhaseClock:
+    """Wall time per phase of the PyTorch head's calls, for the benchmarks' breakdowns.
+
+    `with PhaseClock() as clock:` makes `reference.lm_head_torch` and
+    `reference.lm_head_logits_torch` (any thread: one clock per process, for benchmarks) add each phase's time to
+    `clock.seconds[name]`: norm, upcast (weight chunk gather / upcast), gemm, merge (running
+    argmax / top-k), exp (the logsumexp passes) and copy-out (outputs written, normalised and
+    rounded). Each lap ends at a device synchronise on CUDA, so it times the work, not the
+    launch. Inactive (the default), the head pays one attribute test per phase.
+    """
+
+    active: PhaseClock | None = None
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._t = 0.0
+
+    def __enter__(self) -> PhaseClock:
+        self._t = time.perf_counter()
+        PhaseClock.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        PhaseClock.active = None
+
+    def lap(self, phase: str | None, device: torch.device | None = None) -> None:
+        """Charge the time since the previous lap to `phase` (None: charge nothing, restart)."""
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        if phase is not None:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + t - self._t
+        self._t = t
+
+
+def lap(phase: str | None, device: torch.device | None = None) -> None:
+    """`PhaseClock.active.lap(phase)` when a clock is running; nothing otherwise."""
+    clock = PhaseClock.active
+    if clock is not None:
+        clock.lap(phase, device)

@@ -53,8 +53,9 @@ def fwd_signature(variant: Variant) -> dict:
 
 def aot_variants() -> list[tuple[str, Variant]]:
     """The variants tests/test_lm_head_aot.py compiles for sm_90: all 32 output-mode
-    combinations for bf16 weights (both block configs), plus fp16 / fp32 weights, other
-    logits dtypes and a ragged H. Named for test ids."""
+    combinations for bf16 weights (both block configs), the 8 without top-k / logprobs again
+    with the argmax-only epilogue (`lse=False`), plus fp16 / fp32 weights, other logits dtypes
+    and a ragged H. Named for test ids."""
     everything = {"logits": True, "logprobs": True, "topk": True, "draft": True, "softcap": True}
     out = []
     for logits, logprobs, topk, draft, softcap in itertools.product((False, True), repeat=5):
@@ -64,6 +65,9 @@ def aot_variants() -> list[tuple[str, Variant]]:
         out.append(("bf16-" + ("-".join(flags) or "lse-argmax"), v))
         if topk:  # its exact top-k re-run (same tiles; compiles to one of 4 distinct kernels)
             out.append(("bf16-" + "-".join(flags) + "-rerun", replace(v, tile_list=True)))
+        if not (topk or logprobs):  # the argmax-only epilogue (no lse): the draft fast path
+            name = "bf16-" + "-".join([*flags, "argmax"]) if flags else "bf16-argmax"
+            out.append((name + "-nolse", replace(v, lse=False)))
     out += [
         ("bf16-logits-fp32", Variant(logits=True, out="fp32")),
         ("bf16-ragged-h", Variant(even_h=False)),
@@ -71,6 +75,7 @@ def aot_variants() -> list[tuple[str, Variant]]:
         ("fp16-logits-fp16", Variant(weight="fp16", logits=True, out="fp16")),
         ("fp16-topk-draft", Variant(weight="fp16", topk=True, draft=True)),
         ("fp16-topk-rerun", Variant(weight="fp16", topk=True, tile_list=True)),
+        ("fp16-draft-argmax-nolse", Variant(weight="fp16", draft=True, lse=False)),
         ("fp32-lse-argmax", Variant(weight="fp32")),
         ("fp32-everything", Variant(weight="fp32", **everything)),
         ("fp32-everything-rerun", Variant(weight="fp32", **everything, tile_list=True)),

@@ -42,6 +42,10 @@ class Variant:
     topk: bool = False
     draft: bool = False
     softcap: bool = False
+    # the full-vocabulary sum exp (lse); False for outputs that need only maxima and the draft
+    # columns' own statistics ("draft" / "argmax"): the argmax-only epilogue. Top-k and
+    # logprobs always sum, whatever this says.
+    lse: bool = True
     even_h: bool = True
     # the exact top-k re-run of a first pass with these flags: same tiles (config), listed
     # vocab tiles only, no logits / logprobs / draft stores
@@ -115,6 +119,7 @@ def fwd_constexprs(variant: Variant, cfg: Config, interpret: bool) -> dict:
         "HAS_TOPK": variant.topk,
         "HAS_DRAFT": variant.draft and not variant.tile_list,
         "HAS_SOFTCAP": variant.softcap,
+        "HAS_LSE": variant.lse or variant.topk or variant.logprobs,
         "HAS_TILE_LIST": variant.tile_list,
         # fp32 weights: full fp32 products like the reference (tf32 would round operands
         # to 10 mantissa bits); the interpreter always computes in fp32

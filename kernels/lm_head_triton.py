@@ -11,7 +11,8 @@ Design
   2. `_lm_head_fwd_kernel`: one program per [BLOCK_N rows x BLOCK_V vocab] tile in grouped
      order (GROUP_SIZE row blocks sweep the vocabulary together, so a weight tile is read
      from HBM once per group), fp32 accumulation, then an epilogue on the fp32 tile: scale,
-     softcap, per-(row, tile) max / sum exp / argmax (ties to the lower id), draft
+     softcap, per-(row, tile) max / argmax (ties to the lower id), the sum exp only when
+     lse / logprobs / top-k need it (HAS_LSE; "draft" / "argmax" alone skip it), draft
      statistics and raw draft logits, the tile's best `n_rounds` top-k candidates as int64
      keys, and the logits / fp32 logprobs stores.
   3. Torch merges the per-tile partials (`_triton_merge`). A tile whose `n_rounds`
@@ -115,6 +116,7 @@ def _lm_head_fwd_kernel(
     HAS_TOPK: tl.constexpr,
     HAS_DRAFT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_LSE: tl.constexpr,  # sum exp over the whole tile (lse); else maxima only
     HAS_TILE_LIST: tl.constexpr,  # top-k re-run on listed tiles only (position -> tile id)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 weights (and the interpreter)
     INTERPRET: tl.constexpr,  # fp32 dot operands + RNE before 16-bit stores
@@ -187,7 +189,7 @@ def _lm_head_fwd_kernel(
     p_off = rows64 * stride_pm + pid_v
     tl.store(PartM_ptr + p_off, m, mask=row_mask)
     tl.store(PartArg_ptr + p_off, tile * BLOCK_V + arg, mask=row_mask)
-    if not HAS_TOPK:  # here, so the tile can die after the draft step (register pressure)
+    if HAS_LSE and not HAS_TOPK:  # here, so the tile can die after the draft step
         s = tl.sum(tl.exp(logits - m_safe[:, None]), axis=1)
         tl.store(PartS_ptr + p_off, s, mask=row_mask)
 
@@ -229,7 +231,8 @@ def _lm_head_fwd_kernel(
 def lm_head_triton(req: HeadRequest) -> HeadOutput:
     """Fused Triton head. `req` is validated and 2-D (see `_common.HeadRequest`).
 
-    Returns lse fp32 [N], argmax int64 [N] and whatever `req.outputs` asks for, with the
+    Returns argmax int64 [N], lse fp32 [N] when `req.needs_lse`, and whatever `req.outputs`
+    asks for, with the
     reference's semantics (the module header has the algorithm, `_SCRATCH_BYTES` the scratch
     bound). CUDA tensors run compiled kernels; CPU tensors run the same kernels in triton's
     interpreter.
@@ -260,7 +263,8 @@ def lm_head_triton(req: HeadRequest) -> HeadOutput:
     # ---- 2. allocate outputs
     f32 = {"dtype": torch.float32, "device": device}
     out = HeadOutput(
-        lse=torch.empty(N, **f32), argmax=torch.empty(N, dtype=torch.int64, device=device)
+        lse=torch.empty(N, **f32) if req.needs_lse else None,
+        argmax=torch.empty(N, dtype=torch.int64, device=device),
     )
     if req.wants("logits"):
         out.logits = torch.empty((N, V), dtype=out_dtype, device=device)
@@ -309,6 +313,7 @@ class _Head:
             topk=self.k > 0,
             draft=out.draft_logprobs is not None,
             softcap=req.softcap is not None,
+            lse=req.needs_lse,
         )
         self.cfg = default_config(self.variant, self.N, self.V, self.H, interpret)
         self.Vd = req.draft_ids.numel() if self.variant.draft else 0
@@ -426,11 +431,12 @@ class _Head:
                     if rows.numel():
                         self._redo_topk(r0, rows, sat[rows], scr, top, tail)
                 self._write_topk(slice(r0, r1), top, tail, lse)
-            else:
+            elif out.lse is not None:
                 lse = merge_lse(part_m, scr.part_s[:R])
-            out.lse[r0:r1] = lse
-            lse32 = out.lse[r0:r1, None]
+            if out.lse is not None:
+                out.lse[r0:r1] = lse
             if out.logprobs is not None:
+                lse32 = out.lse[r0:r1, None]
                 if not v.logprobs:  # derived from the fp32 logits output
                     torch.sub(out.logits[r0:r1], lse32, out=out.logprobs[r0:r1])
                 elif self.out_f32:

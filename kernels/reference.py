@@ -14,7 +14,7 @@ Semantics (both implementations follow them; this module defines them)
              "none": rnd(x32);  rnd = round to nearest-even in weight.dtype
     logits = (y @ weight.T accumulated in fp32) * logit_scale      [N, V] fp32
              then softcap * tanh(logits / softcap) when softcap is set
-    lse    = logsumexp(logits)                                     fp32
+    lse    = logsumexp(logits)                                     fp32, when `req.needs_lse`
     argmax = first index of max(logits)                            int64 (ties -> lower id)
     top-k  = k largest logits, ordered by (value desc, id asc)     exact tie rule, any k in [1, V]
     topk_logprobs   = topk logits - lse
@@ -27,12 +27,12 @@ Design
     (`choose_row_block`; on CUDA R = N). Per [R, C] tile: GEMM, scale/softcap in place, then
     the running max / argmax / top-k merges (`_reference_running`), draft columns into an
     fp32 [N, Vd] buffer, and exp(tile - running max) into a float64 running sum rescaled
-    whenever the max grows. Draft-first order (draft wanted without top-k or an [N, V]
-    output): draft ids first, so their tiles land straight in the draft buffer and the
-    running logsumexp at the end of that range is the draft's. topk_tail is summed directly
-    over the tokens outside the top-k, never as 1 - sum(top-k): when the top-k holds almost
-    all the mass that difference cancels to noise (~k * 6e-8 absolute), while a direct sum
-    keeps fp32 relative accuracy even for a tail of 1e-12.
+    whenever the max grows, only where needed: every tile for lse / logprobs / top-k, else
+    the draft tiles alone (a tile costs its GEMM and one max). Draft-first order (draft
+    without top-k or an [N, V] output): draft ids first, so their tiles land straight in the
+    draft buffer and its logsumexp is the running one at the end of that range. topk_tail is
+    summed directly over the tokens outside the top-k, never as 1 - sum(top-k), which cancels
+    to noise (~k * 6e-8) when the top-k holds almost all the mass.
     GEMM precision by device: every GEMM is y @ W.T with operands in the weight dtype and
     fp32 accumulation and output, never rounded to 16 bits. CPU with bf16 weights on
     AVX512-BF16/AMX: MKL's bf16 GEMM with fp32 output (`_cpu.gemm_bf16_f32`); other CPUs and
@@ -58,7 +58,7 @@ import math
 
 import torch
 
-from ._common import HeadOutput, HeadRequest
+from ._common import HeadOutput, HeadRequest, lap
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
 from ._reference_running import RunningTopK, update_argmax
 
@@ -196,7 +196,7 @@ def _empty_output(req: HeadRequest) -> HeadOutput:
     """Outputs for N = 0 rows: every requested field, with the right trailing shape and dtype."""
     dev, V = req.hidden.device, req.vocab
     out = HeadOutput(
-        lse=torch.empty(0, dtype=torch.float32, device=dev),
+        lse=torch.empty(0, dtype=torch.float32, device=dev) if req.needs_lse else None,
         argmax=torch.empty(0, dtype=torch.int64, device=dev),
     )
     if req.wants("logits"):
@@ -213,21 +213,33 @@ def _empty_output(req: HeadRequest) -> HeadOutput:
     return out
 
 
-def _draft_log_softmax_(draft_buf: torch.Tensor, tile_elems: int) -> torch.Tensor:
-    """log_softmax over dim 1 of fp32 [N, Vd], in place, through a temporary of ~one tile.
+def _draft_log_softmax(
+    draft_buf: torch.Tensor, lse: torch.Tensor | None, out_dtype: torch.dtype, tile_elems: int
+) -> torch.Tensor:
+    """The draft log-probs in `out_dtype` from raw fp32 draft logits [N, Vd]: minus `lse` [N]
+    when the caller has the draft logsumexp, else torch's fused log_softmax per row.
 
-    Row blocks of about `tile_elems` elements (the call's [R, C] tile) bound the temporary;
-    torch's fused log_softmax does max, sum-exp and the subtraction per row in one kernel.
+    Row blocks of about `tile_elems` elements (the call's [R, C] tile) go through a temporary
+    that stays in cache, so a 16-bit result is rounded from it on the way out and the fp32
+    buffer is read once (a whole-buffer subtract, then a cast, would write and re-read it).
+    An fp32 result is `draft_buf` itself, shifted in place.
     """
     n, vd = draft_buf.shape
+    if lse is not None and out_dtype == torch.float32:
+        return draft_buf.sub_(lse[:, None])
     rows = max(1, min(n, tile_elems // max(vd, 1)))
     tmp = torch.empty(rows, vd, dtype=draft_buf.dtype, device=draft_buf.device)
+    out = draft_buf if out_dtype == torch.float32 else torch.empty(
+        n, vd, dtype=out_dtype, device=draft_buf.device)
     for r0 in range(0, n, rows):
         blk = draft_buf[r0 : r0 + rows]
-        out = tmp[: blk.shape[0]]
-        torch.log_softmax(blk, dim=1, out=out)
-        blk.copy_(out)
-    return draft_buf
+        t = tmp[: blk.shape[0]]
+        if lse is None:
+            torch.log_softmax(blk, dim=1, out=t)
+        else:
+            torch.sub(blk, lse[r0 : r0 + rows, None], out=t)
+        out[r0 : r0 + rows].copy_(t)
+    return out
 
 
 def _gemm_operands(req: HeadRequest, k: int):
@@ -242,6 +254,7 @@ def _gemm_operands(req: HeadRequest, k: int):
     hidden, weight = req.hidden, req.weight
     dev = hidden.device
     N, H = hidden.shape
+    lap(None)  # a new call: the clock starts here
     y = normalize(hidden, req.norm_weight, eps=req.eps, norm=req.norm, dtype=weight.dtype)
     on_cpu = dev.type != "cuda"
     C = choose_chunk(N, H, req.vocab, k, dev.type)
@@ -254,6 +267,7 @@ def _gemm_operands(req: HeadRequest, k: int):
                 w_buf = torch.empty(C * H, dtype=torch.float32, device=dev)
     elif y.dtype != torch.float32 and not _mm_out_dtype_works(y):
         y = y.float()  # same math through exactly-upcast operands, one chunk of W at a time
+    lap("norm", dev)
     return y, on_cpu, C, R, w_buf
 
 
@@ -270,9 +284,11 @@ def _weight_chunk(weight, c0: int, c1: int, ids, w_buf, gather_buf=None):
         w_chunk = gather_buf[: ids.numel() * weight.shape[1]].view(ids.numel(), weight.shape[1])
         torch.index_select(weight, 0, ids, out=w_chunk)
     if w_buf is None:
+        lap("upcast", weight.device)
         return w_chunk, w_chunk
     w32 = w_buf[: w_chunk.numel()].view(w_chunk.shape)
     w32.copy_(w_chunk)
+    lap("upcast", weight.device)
     return w_chunk, w32
 
 
@@ -291,6 +307,7 @@ def _gemm_tile(req: HeadRequest, y_rows, w_chunk, w32, tile, on_cpu: bool) -> to
         tile.mul_(req.logit_scale)
     if req.softcap is not None:
         tile.div_(req.softcap).tanh_().mul_(req.softcap)
+    lap("gemm", tile.device)
     return tile
 
 
@@ -312,6 +329,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
     V = req.vocab
     k = req.k if req.wants("topk") else 0
     want_draft = req.wants("draft")
+    need_lse = req.needs_lse
     f32, f64 = torch.float32, torch.float64
 
     y, on_cpu, C, R, w_buf = _gemm_operands(req, k)
@@ -390,6 +408,10 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
 
             rmax, rsum, rarg = run_max[r0:r1], run_sum[r0:r1], run_arg[r0:r1]
             new_max, tile_max = update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
+            topk = topks[blk] if topks is not None else None
+            if topk is not None:
+                topk.update(tile, c0, tile_max)
+            lap("merge", dev)
 
             if logits_out is not None and logits_out is not gemm_into:
                 logits_out[r0:r1, c0:c1].copy_(tile)
@@ -397,9 +419,11 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
                 logprobs32[r0:r1, c0:c1].copy_(tile)
             if local_draft is not None:
                 draft_buf[r0:r1, a:b] = tile.index_select(1, local_draft)
-            topk = topks[blk] if topks is not None else None
-            if topk is not None:
-                topk.update(tile, c0, tile_max)
+            lap("copy-out", dev)
+            if not (need_lse or (draft_first and c1 <= Vd)):
+                rmax.copy_(new_max)  # nothing needs this tile's exp: its max was all
+                del tile, scratch
+                continue
 
             # This tile's mass outside the top-k candidates, relative to the new running
             # max, in the scratch tile (a tile that is an output stays intact).
@@ -416,19 +440,22 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
             if topk is not None and topk.evicted is not None and topk.evicted.shape[1]:
                 rsum += torch.exp(topk.evicted.double() - new_max.double()[:, None]).sum(1)
             rmax.copy_(new_max)
+            lap("exp", dev)
             del tile, scratch  # CUDA: free this tile before the next GEMM allocates its own
         if draft_first and c1 == Vd:  # the draft range is complete: its logsumexp
             draft_lse = (run_max.double() + torch.log(run_sum)).float()
     tile_buf = w_buf = gather_buf = None  # free the chunk buffers before the draft normalisation
 
-    max64 = run_max.double()
-    if topks is not None:
-        top_values = torch.cat([t.values for t in topks])
-        total = run_sum + torch.exp(top_values.double() - max64[:, None]).sum(1)
-    else:
-        total = run_sum
-    lse64 = max64 + torch.log(total)
-    out = HeadOutput(lse=lse64.float(), argmax=run_arg)
+    out = HeadOutput(lse=None, argmax=run_arg)
+    if need_lse:
+        max64 = run_max.double()
+        if topks is not None:
+            top_values = torch.cat([t.values for t in topks])
+            total = run_sum + torch.exp(top_values.double() - max64[:, None]).sum(1)
+        else:
+            total = run_sum
+        lse64 = max64 + torch.log(total)
+        out.lse = lse64.float()
     if logits_out is not None:
         out.logits = logits_out
     if logprobs32 is not None:
@@ -438,12 +465,10 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
         out.topk_logprobs = (top_values.double() - lse64[:, None]).to(req.out_dtype)
         out.topk_tail = (run_sum / total).clamp_(0.0, 1.0).float()
     if want_draft:
-        if draft_lse is not None:
-            out.draft_logprobs = draft_buf.sub_(draft_lse[:, None]).to(req.out_dtype)
-        else:
-            out.draft_logprobs = _draft_log_softmax_(draft_buf, R * C).to(req.out_dtype)
+        out.draft_logprobs = _draft_log_softmax(draft_buf, draft_lse, req.out_dtype, R * C)
         pos = torch.searchsorted(draft_ids, run_arg).clamp_max(Vd - 1)
         out.argmax_in_draft = draft_ids[pos] == run_arg
+    lap("copy-out", dev)
     return out
 
 

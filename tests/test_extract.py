@@ -216,7 +216,8 @@ def test_dataset_equals_hf_runner(tmp_path, tiny_llama, supervision):
     ds = Eagle3Dataset(tmp_path / "out")
     tok = load_tokenizer(str(tiny_llama))
     plan = plan_inputs(data, tok, 1031, max_len=96, overlong="truncate")
-    outputs = {"topk": ("topk",), "draft": ("draft",), "hidden": ()}[supervision]
+    # the native layout stores lse beside each head kind, so the expectation asks for it
+    outputs = {"topk": ("topk",), "draft": ("draft", "lse"), "hidden": ()}[supervision]
     expected = _hf_expected(tiny_llama, [p.input_ids for p in plan.samples], [0, 2, 3], outputs, k=8,
                             draft_ids=draft_ids if supervision == "draft" else None)
     fields = {"topk": ["topk_ids", "topk_logprobs", "topk_tail", "lse", "argmax"],

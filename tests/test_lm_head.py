@@ -147,8 +147,11 @@ def check_outputs(
     exact_ids=False,
     label="",
 ):
-    """Every requested field against the oracle (rules in the module header); no NaN/inf."""
-    wanted = {"lse", "argmax"}.union(*(FIELDS[o] for o in outputs))
+    """Every requested field against the oracle (rules in the module header); no NaN/inf.
+    Exactly the computed fields come back: argmax always, lse only with lse / logprobs / topk."""
+    wanted = {"argmax"}.union(*(FIELDS[o] for o in outputs))
+    if {"lse", "logprobs", "topk"} & set(outputs):
+        wanted.add("lse")
     assert set(out.as_dict()) == wanted, (
         f"{label}: fields {sorted(out.as_dict())}, want {sorted(wanted)}"
     )
@@ -312,6 +315,8 @@ def test_logit_scale_and_softcap(impl, logit_scale, softcap, dtype, atol, rtol, 
         ("logprobs",),
         ("topk",),
         ("draft",),
+        ("draft", "argmax", "lse"),
+        ("logits", "draft"),
         ("logits", "topk", "draft"),
     ],
     ids=lambda o: "+".join(o) or "none",
@@ -725,16 +730,19 @@ def test_draft_first_ties_go_to_lower_id(chunk, gen):
     hidden, weight = tie_inputs(gen, N, H, V, torch.bfloat16, n_distinct=6)
     draft = torch.arange(100, V, 2)  # high ids, so the tied rest ids below them come later
     oracle = lm_head_oracle(hidden, weight, None, norm="none", draft_ids=draft)
-    with small_chunks(chunk, rows=4):
-        out = lm_head(
-            hidden, weight, None, norm="none", outputs=("draft", "argmax"), draft_ids=draft,
-            impl="torch",
-        )
-    assert_ids_equal(out.argmax, oracle.argmax, name="argmax")
-    assert bool((out.argmax < 100).any()), "the case never tied across the two ranges"
-    assert_ids_equal(out.argmax_in_draft, oracle.argmax_in_draft, name="argmax_in_draft")
-    assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=1e-5, rtol=1e-6, name="draft")
-    assert_close(out.lse, oracle.lse, atol=1e-5, rtol=1e-6, name="lse")
+    for outputs in (("draft", "argmax"), ("draft", "argmax", "lse")):
+        with small_chunks(chunk, rows=4):
+            out = lm_head(
+                hidden, weight, None, norm="none", outputs=outputs, draft_ids=draft, impl="torch",
+            )
+        assert_ids_equal(out.argmax, oracle.argmax, name=f"{outputs} argmax")
+        assert bool((out.argmax < 100).any()), "the case never tied across the two ranges"
+        assert_ids_equal(out.argmax_in_draft, oracle.argmax_in_draft, name="argmax_in_draft")
+        assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=1e-5, rtol=1e-6, name="draft")
+        if "lse" in outputs:
+            assert_close(out.lse, oracle.lse, atol=1e-5, rtol=1e-6, name="lse")
+        else:  # the argmax-only pass over the non-draft tiles: no lse was computed
+            assert out.lse is None
 
 
 def _global_torch_settings() -> dict:
@@ -1223,3 +1231,30 @@ def test_avx2_caps_take_effect():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **ISA_CAPS},
                          capture_output=True, text=True, check=True).stdout.strip()
     assert out == "AVX2"
+
+
+@pytest.mark.parametrize(
+    "outputs, exp_tiles",
+    [(("draft", "argmax"), "draft"), (("argmax",), "none"), (("lse", "argmax"), "all"),
+     (("draft", "lse"), "all"), (("topk",), "all")],
+    ids=lambda o: "+".join(o) if isinstance(o, tuple) else o,
+)
+def test_exp_pass_runs_only_where_an_output_needs_it(outputs, exp_tiles, gen):
+    # The logsumexp pass (an exp of every logit of a tile) is the per-logit cost beyond the
+    # GEMM and one max. "draft" needs it over the draft columns only (its own logsumexp),
+    # "argmax" nowhere; lse, logprobs and top-k over every tile. Counted through the phase
+    # laps the head takes: one "gemm" lap per tile, one "exp" lap per tile that ran the pass.
+    N, H, V = 10, 32, 1000
+    hidden, weight, norm_weight = make_inputs(gen, N, H, V, torch.float32)
+    draft = random_draft(gen, V, 300)
+    laps = []
+    with small_chunks(128, rows=4), mock.patch.object(reference, "lap", lambda p, d=None: laps.append(p)):
+        out = lm_head(hidden, weight, norm_weight, outputs=outputs, k=5, draft_ids=draft, impl="torch")
+    blocks = -(-N // 4)
+    # draft-first order (draft without top-k): the 300 draft columns in 3 chunks, then 6
+    chunks = 3 + 6 if "draft" in outputs and "topk" not in outputs else -(-V // 128)
+    tiles = laps.count("gemm")
+    assert tiles == chunks * blocks, (tiles, chunks * blocks)
+    want = {"all": tiles, "none": 0, "draft": 3 * blocks}[exp_tiles]
+    assert laps.count("exp") == want, (laps.count("exp"), want, tiles)
+    assert (out.lse is None) == (exp_tiles in ("draft", "none")), "lse must come back exactly when computed"

@@ -138,7 +138,7 @@ def test_launcher_picks_only_compiled_variants(out_dtype):
     for outputs in itertools.chain.from_iterable(
         itertools.combinations(("logits", "logprobs", "topk", "draft"), r) for r in range(5)
     ):
-        for softcap in (None, 30.0):
+        for softcap, lse in itertools.product((None, 30.0), (True, False)):
             req = HeadRequest(
                 hidden=torch.empty(N, H, **meta),
                 weight=torch.empty(V, H, **meta),
@@ -147,7 +147,7 @@ def test_launcher_picks_only_compiled_variants(out_dtype):
                 norm="rms",
                 logit_scale=1.0,
                 softcap=softcap,
-                outputs=frozenset(outputs) | {"lse", "argmax"},
+                outputs=frozenset(outputs) | {"argmax"} | ({"lse"} if lse else set()),
                 k=k if "topk" in outputs else 0,
                 draft_ids=torch.arange(0, V, 5, device="meta") if "draft" in outputs else None,
                 out_dtype=out_dtype,
@@ -159,7 +159,8 @@ def test_launcher_picks_only_compiled_variants(out_dtype):
             head = lm._Head(req, out, interpret=False)
             v = head.variant
             key = replace(v, out="bf16") if v.logits else v
-            assert key in compiled, f"{sorted(outputs)} softcap={softcap}: {v} not AOT-compiled"
+            assert key in compiled, f"{sorted(outputs)} softcap={softcap} lse={lse}: {v} not AOT-compiled"
+            assert v.lse == (lse or bool({"topk", "logprobs"} & set(outputs)))
             assert head.cfg == cfgs.default_config(key, N, V, H, interpret=False)
             if v.topk:  # the exact re-run of crowded tiles
                 assert replace(key, tile_list=True) in compiled, f"{v}: re-run not compiled"
@@ -168,7 +169,7 @@ def test_launcher_picks_only_compiled_variants(out_dtype):
 def test_variants_cover_every_output_mode():
     """The AOT list exercises each constexpr switch the launcher sets, on and off."""
     vs = list(VARIANTS.values())
-    for field in ("logits", "logprobs", "topk", "draft", "softcap", "tile_list"):
+    for field in ("logits", "logprobs", "topk", "draft", "softcap", "tile_list", "lse"):
         assert {getattr(v, field) for v in vs} == {False, True}, field
     assert {v.weight for v in vs} == {"bf16", "fp16", "fp32"}
     assert {v.out for v in vs if v.logits} >= {"bf16", "fp32"}

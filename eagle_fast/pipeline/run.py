@@ -198,14 +198,6 @@ class _Writer(threading.Thread):
                 sink.abort()
 
 
-_FIELDS_BY_OUTPUTS = {
-    ("draft",): ("draft_logprobs", "argmax_in_draft", "lse", "argmax"),
-    ("topk",): ("topk_ids", "topk_logprobs", "topk_tail", "lse", "argmax"),
-    ("logits",): ("logits", "lse", "argmax"),
-    (): ("lse", "argmax"),
-}
-
-
 def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
                   draft_ids: torch.Tensor | None, k: int) -> list[dict]:
     """Canonical per-sample results for one batch: one engine call, then `supervise`.
@@ -242,7 +234,7 @@ def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
     supervise(runner.head, [f for _, f in caps], outputs, into, draft_ids=ids, k=k,
               out_dtype=layout.head_out_dtype())
     for r, row in zip(results, into.rows()):
-        for name in _FIELDS_BY_OUTPUTS[tuple(outputs)]:
+        for name in layout.head_fields():
             if name not in row:
                 raise RuntimeError(f"the head returned no {name!r} for outputs {outputs}")
             r[name] = row[name].detach().cpu()

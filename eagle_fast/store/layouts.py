@@ -58,7 +58,10 @@ HEAD_FIELDS = {
     "logits": ("logits", "lse", "argmax"),
     "hidden": (),
 }
-HEAD_OUTPUTS = {"draft": ("draft",), "topk": ("topk",), "lse": (), "logits": ("logits",)}
+# What the head computes for each kind: exactly what HEAD_FIELDS stores ("draft" and "logits"
+# name "lse" because this layout keeps it; top-k computes it anyway).
+HEAD_OUTPUTS = {"draft": ("draft", "lse"), "topk": ("topk", "lse"), "lse": ("lse",),
+                "logits": ("logits", "lse")}
 
 
 def validate_layout_kind(layout: str, kind: str) -> None:
@@ -87,6 +90,10 @@ class Layout:
     def head_outputs(self) -> tuple[str, ...] | None:
         """Outputs to request from the head, or None when the head is not run."""
         raise NotImplementedError
+
+    def head_fields(self) -> tuple[str, ...]:
+        """The head's result fields that `encode` reads (the pipeline checks they came back)."""
+        return ()
 
     def head_out_dtype(self) -> torch.dtype:
         return self.spec.out_dtype
@@ -144,6 +151,9 @@ class NativeLayout(Layout):
 
     def head_outputs(self):
         return None if self.spec.kind == "hidden" else HEAD_OUTPUTS[self.spec.kind]
+
+    def head_fields(self):
+        return HEAD_FIELDS[self.spec.kind]
 
     def needs_final_hidden(self) -> bool:
         return self.spec.kind == "hidden"

@@ -39,7 +39,12 @@ class NemoLayout(Layout):
     name = "nemo"
 
     def head_outputs(self):
-        return ("draft",)
+        # target_probs and the position mask: the draft softmax and the full-vocab argmax.
+        # NeMo stores no logsumexp, so the head computes none (no exp of non-draft logits).
+        return ("draft", "argmax")
+
+    def head_fields(self):
+        return ("draft_logprobs", "argmax_in_draft")
 
     def head_out_dtype(self) -> torch.dtype:
         # NeMo takes the softmax in fp32, then casts target_probs to the cache dtype.
