@@ -39,8 +39,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ._common import NORM_MODES, OUTPUT_NAMES, HeadOutput, HeadRequest
-from .reference import _empty_output, lm_head_logits_torch, lm_head_torch
+from ._common import NORM_MODES, OUTPUT_NAMES, HeadOutput, HeadRequest, empty_output
+from .reference import lm_head_logits_torch, lm_head_torch
 
 __all__ = ["HeadOutput", "draft_ids_from_d2t", "draft_ids_from_t2d", "lm_head", "lm_head_logits"]
 
@@ -312,7 +312,7 @@ def lm_head(
         impl=impl,
     )
     if req.n_rows == 0:
-        out = _empty_output(req)
+        out = empty_output(req)
     elif impl == "triton":
         out = _triton_impl()(req)
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
+from typing import Self
 
 import torch
 
@@ -104,6 +105,27 @@ class HeadRequest:
         return bool(self.outputs & {"lse", "logprobs", "topk"})
 
 
+def empty_output(req: HeadRequest) -> HeadOutput:
+    """Outputs for N = 0 rows: every requested field, with the right trailing shape and dtype."""
+    dev, V = req.hidden.device, req.vocab
+    out = HeadOutput(
+        lse=torch.empty(0, dtype=torch.float32, device=dev) if req.needs_lse else None,
+        argmax=torch.empty(0, dtype=torch.int64, device=dev),
+    )
+    if req.wants("logits"):
+        out.logits = torch.empty(0, V, dtype=req.out_dtype, device=dev)
+    if req.wants("logprobs"):
+        out.logprobs = torch.empty(0, V, dtype=req.out_dtype, device=dev)
+    if req.wants("topk"):
+        out.topk_ids = torch.empty(0, req.k, dtype=torch.int64, device=dev)
+        out.topk_logprobs = torch.empty(0, req.k, dtype=req.out_dtype, device=dev)
+        out.topk_tail = torch.empty(0, dtype=torch.float32, device=dev)
+    if req.wants("draft"):
+        out.draft_logprobs = torch.empty(0, req.draft_ids.numel(), dtype=req.out_dtype, device=dev)
+        out.argmax_in_draft = torch.empty(0, dtype=torch.bool, device=dev)
+    return out
+
+
 class PhaseClock:
     """Wall time per phase of the PyTorch head's calls, for the benchmarks' breakdowns.
 
@@ -121,7 +143,7 @@ class PhaseClock:
         self.seconds: dict[str, float] = {}
         self._t = 0.0
 
-    def __enter__(self) -> PhaseClock:
+    def __enter__(self) -> Self:
         self._t = time.perf_counter()
         PhaseClock.active = self
         return self

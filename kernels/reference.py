@@ -58,7 +58,7 @@ import math
 
 import torch
 
-from ._common import HeadOutput, HeadRequest, lap
+from ._common import HeadOutput, HeadRequest, empty_output, lap
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
 from ._reference_running import RunningTopK, update_argmax
 
@@ -192,27 +192,6 @@ def _mm_fp32_out(y: torch.Tensor, w_chunk: torch.Tensor) -> torch.Tensor:
     return torch.mm(y, w_chunk.t(), out_dtype=torch.float32)
 
 
-def _empty_output(req: HeadRequest) -> HeadOutput:
-    """Outputs for N = 0 rows: every requested field, with the right trailing shape and dtype."""
-    dev, V = req.hidden.device, req.vocab
-    out = HeadOutput(
-        lse=torch.empty(0, dtype=torch.float32, device=dev) if req.needs_lse else None,
-        argmax=torch.empty(0, dtype=torch.int64, device=dev),
-    )
-    if req.wants("logits"):
-        out.logits = torch.empty(0, V, dtype=req.out_dtype, device=dev)
-    if req.wants("logprobs"):
-        out.logprobs = torch.empty(0, V, dtype=req.out_dtype, device=dev)
-    if req.wants("topk"):
-        out.topk_ids = torch.empty(0, req.k, dtype=torch.int64, device=dev)
-        out.topk_logprobs = torch.empty(0, req.k, dtype=req.out_dtype, device=dev)
-        out.topk_tail = torch.empty(0, dtype=torch.float32, device=dev)
-    if req.wants("draft"):
-        out.draft_logprobs = torch.empty(0, req.draft_ids.numel(), dtype=req.out_dtype, device=dev)
-        out.argmax_in_draft = torch.empty(0, dtype=torch.bool, device=dev)
-    return out
-
-
 def _draft_log_softmax(
     draft_buf: torch.Tensor, lse: torch.Tensor | None, out_dtype: torch.dtype, tile_elems: int
 ) -> torch.Tensor:
@@ -322,7 +301,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
     Extra memory: one [R, C] tile and one weight chunk plus the requested outputs.
     """
     if req.n_rows == 0:
-        return _empty_output(req)
+        return empty_output(req)
     hidden, weight = req.hidden, req.weight
     dev = hidden.device
     N = hidden.shape[0]
@@ -393,9 +372,15 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
         if want_draft and not draft_first and bounds[j + 1] > bounds[j]:
             a, b = bounds[j], bounds[j + 1]
             local_draft = draft_ids[a:b] - c0
-        into = gemm_into
+        into, draft_dst = gemm_into, None
         if draft_first and c1 <= Vd:
-            into = draft_buf[:, c0:c1]
+            # CPU: the GEMM writes the cache-resident tile, which the passes below read, and
+            # one streaming copy moves it into the draft buffer (a GEMM into the buffer's
+            # strided window runs at half speed); CUDA: straight into the window
+            if on_cpu:
+                draft_dst = draft_buf[:, c0:c1]
+            else:
+                into = draft_buf[:, c0:c1]
         elif into is not None:
             into = into[:, c0:c1]
         for blk, (r0, r1) in enumerate(blocks):
@@ -419,6 +404,8 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
                 logprobs32[r0:r1, c0:c1].copy_(tile)
             if local_draft is not None:
                 draft_buf[r0:r1, a:b] = tile.index_select(1, local_draft)
+            elif draft_dst is not None:
+                draft_dst[r0:r1].copy_(tile)
             lap("copy-out", dev)
             if not (need_lse or (draft_first and c1 <= Vd)):
                 rmax.copy_(new_max)  # nothing needs this tile's exp: its max was all
