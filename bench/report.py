@@ -2,7 +2,7 @@
 
 What it does
     Reads every results file the benchmarks wrote (lm_head-cpu.json, lm_head-cuda.json,
-    runner-cpu.json, pipeline-cpu.json; whichever exist) and writes:
+    runner-cpu.json, pipeline-cpu.json, serve-cpu.json, ray-cpu.json; whichever exist) and writes:
       - bench/RESULTS.md: per file, where/when it was measured, the targets as PASS/FAIL, then
         tables (the target case, the vocabulary sweep per output mode, the runner, the pipeline);
       - bench/results/lm_head-<device>.png: time and peak extra memory vs vocabulary size, one
@@ -32,7 +32,8 @@ PAGE = HERE / "RESULTS.md"
 # set by build(): where the page is written (image links are relative to it) and the results
 _PAGE_DIR, _RESULTS_DIR = HERE, RESULTS
 
-PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "gemm-bf16")
+PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "gemm-floor")
+PHASES = ("norm", "upcast", "gemm", "merge", "exp", "copy-out", "other")
 MODE_ORDER = ("all", "lse+argmax", "topk64", "draft32k", "logits-bf16")
 
 
@@ -131,8 +132,9 @@ def lm_head_section(d: dict) -> list[str]:
         out += [("Peak extra memory of the target case: each provider in a fresh subprocess (inputs built, "
                 "then one call; peak RSS above the RSS before the call). Elsewhere: the first call in the "
                 "benchmark process, with malloc returning freed blocks to the OS."), ""]
+    out += _floor_table(cases, get)
     # Sweep: one table per mode, rows = shapes by V, cells = time (x seed) / memory.
-    sweep = [k for k in cases if k[2] != "all"]
+    sweep = [k for k in cases if k[2] != "all" and get(k, "seed-fp32") is not None]
     modes = [m for m in MODE_ORDER if any(k[2] == m for k in sweep)]
     if sweep:
         out.append("### Vocabulary sweep")
@@ -166,6 +168,35 @@ def lm_head_section(d: dict) -> list[str]:
     return out
 
 
+def _floor_table(cases, get) -> list[str]:
+    """Each head against the bare GEMM of its case (`gemm-floor`), with the PyTorch head's
+    time by phase as shares of one call."""
+    rows, kinds = [], set()
+    for key in cases:
+        floor = get(key, "gemm-floor")
+        if floor is None or not floor["median_s"]:
+            continue
+        kinds.add(floor.get("floor_kind", "-"))
+        for p in ("lm_head-torch", "lm_head-triton"):
+            r = get(key, p)
+            if r is None or not r["median_s"]:
+                continue
+            ph = r.get("phases_s") or {}
+            shares = [f"{100 * ph[q] / ph['total']:.0f}%" if ph.get("total") else "-" for q in PHASES]
+            rows.append([key[0], f"{key[1]:,}", str(r["hidden"]), f"{r['vocab']:,}", f"`{key[2]}`", f"`{p}`",
+                         fmt_s(floor["median_s"]), fmt_s(r["median_s"]),
+                         f"{r['median_s'] / floor['median_s']:.2f}x", *shares])
+    if not rows:
+        return []
+    out = ["### Against the floor: the bare GEMM of each shape", "",
+           (f"`gemm-floor` is {'; '.join(sorted(kinds))}, operands prepared outside the call (`bench/_floor.py`). "
+            "Phases are shares of one more call of the PyTorch head under its phase clock (the rounds are untimed "
+            "by it); `other` is the rest of the call."), ""]
+    out += _table(["shape", "N", "H", "V", "mode", "head", "floor", "head time", "vs floor",
+                   *PHASES], rows)
+    return out
+
+
 def runner_section(d: dict) -> list[str]:
     env, s = d["environment"], d["setup"]
     out = ["## Runner (`VLLMTargetRunner`) vs the seed's method", "", _env_line(env), "",
@@ -180,7 +211,7 @@ def runner_section(d: dict) -> list[str]:
     seed = by.get("seed-forward_eagle3")
     rows = []
     for r in d["records"]:
-        engine_only = r["method"].startswith("capture")  # no head: not comparable work
+        engine_only = r["method"].startswith(("capture", "gemm"))  # not the runner's work
         vs = (f"{r['tokens_per_s'] / seed['tokens_per_s']:.2f}x"
               if (seed and seed["tokens_per_s"] and r["tokens_per_s"] and not engine_only) else "-")
         mem = (f"{100 * r['peak_extra_bytes'] / seed['peak_extra_bytes']:.0f}%"
@@ -189,10 +220,20 @@ def runner_section(d: dict) -> list[str]:
         rows.append([f"`{r['method']}`", fmt_s(r["median_s"]), f"x{r['n_timed']}",
                      f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-", vs,
                      f"{100 * r['head_share']:.0f}%" if r["head_share"] is not None else "-",
+                     f"{r['head_vs_floor']:.2f}x" if r.get("head_vs_floor") else "-",
                      fmt_b(r["peak_extra_bytes"]), mem, fmt_b(r.get("output_bytes")),
                      fmt_b(r.get("real_output_bytes")), r["status"]])
-    out += _table(["method", "median", "rounds", "tokens/s", "vs seed", "head share", "peak extra",
-                   "mem vs seed", "returned", "returned, non-pad", "status"], rows)
+    out += _table(["method", "median", "rounds", "tokens/s", "vs seed", "head share", "head vs floor",
+                   "peak extra", "mem vs seed", "returned", "returned, non-pad", "status"], rows)
+    floor = by.get("gemm-floor")
+    if floor:
+        out += [(f"`gemm-floor`: {floor.get('floor_kind', '-')} on the {s['real_tokens']:,} non-pad tokens "
+                 "(`bench/_floor.py`); head time = call minus the engine's capture of the same rows."), ""]
+    ph = (by.get("forward_eagle3_supervision") or {}).get("phases_s") or {}
+    if ph.get("total"):
+        out += ["`forward_eagle3_supervision` by phase (one more call under the head's phase clock; `other` is "
+                "the capture, the aux scatter and the copies into the [B, S] fields): "
+                + ", ".join(f"{p} {100 * ph[p] / ph['total']:.0f}%" for p in PHASES if p in ph) + ".", ""]
     if d.get("cross_check"):
         out += ["Cross-check on non-pad positions: " + ", ".join(
             f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in d["cross_check"].items()), ""]
@@ -216,6 +257,86 @@ def pipeline_section(d: dict) -> list[str]:
                      f"{100 * r['head_share']:.0f}%", f"{100 * r['engine_share']:.0f}%",
                      f"{100 * r['read_share']:.0f}%", f"{100 * r['write_share']:.0f}%", "ok"])
     out += _table(["engine", "tokens/s", "loop", "build", "head", "engine (capture)", "read", "write", "status"], rows)
+    return out
+
+
+def ray_section(d: dict) -> list[str]:
+    """`extract --ray` with 1 and 2 workers against the plain path (bench_ray.py), and what to
+    expect on N GPUs."""
+    env, s = d["environment"], d["setup"]
+    out = ["## Ray (`eagle-fast extract --ray`), 1 and 2 workers vs the plain path", "", _env_line(env), "",
+           (f"{s['model']}, {s['engine']} engine; {s['samples']} samples, {s['tokens']:,} tokens in shards of "
+            f"{s['shard_size']}; supervision {s['supervision']}; local Ray with {s['local_ray']}. Each command runs "
+            "in a fresh process; tokens/s = tokens / engine-loop time from the manifest's `runs` record (it starts "
+            "once every runner is built: Ray start-up and builds are in `build` and the wall time)."), ""]
+    out += _targets_md(d.get("targets", []))
+    rows = []
+    for r in d["records"]:
+        if r["status"] != "ok":
+            rows.append([r["mode"], str(r["batch_tokens"]), "-", "-", "-", "-", r["status"][:120]])
+            continue
+        rows.append([r["mode"], str(r["batch_tokens"]), f"{r['tokens_per_s']:.0f}", f"{r['loop_s']:.2f} s",
+                     f"{r['build_s']:.1f} s", f"{r['process_wall_s']:.1f} s", "ok"])
+    out += _table(["mode", "batch tokens", "tokens/s", "loop", "build", "wall", "status"], rows)
+    out += [("On a shared machine the environment line's load average says what else ran: above ~1 on 2 "
+             "CPUs, other work held a core that a second worker needed."), ""]
+    by = {(r["mode"], r["batch_tokens"]): r for r in d["records"] if r["status"] == "ok"}
+    shards = -(-s["samples"] // s["shard_size"])
+    per_shard = [(by[("ray-1", b)]["loop_s"] - by[("plain", b)]["loop_s"]) / shards
+                 for b in s["batch_tokens"] if ("ray-1", b) in by and ("plain", b) in by]
+    out += ["### Expected scaling on N GPUs", "",
+            ("One worker per GPU, each computing one shard with the next queued. The run's time is the slowest worker's: about "
+             "ceil(S / N) shard-times for S shards, so the speed-up is N x S / (N x ceil(S / N)), within one "
+             "shard-time of linear while S >> N (the default 256-sample shards give ~4,000 shards per million "
+             "samples). Two things cap it:"), "",
+            ("- Shared-storage write bandwidth. Every token writes the dataset's bytes per token (the `on disk` "
+             "line of the summary): for Qwen3-8B (H = 4,096, bf16 aux states: 3 x 4,096 x 2 = 24.6 kB) with fp32 "
+             "draft log-probs over 32k ids (128 kB) that is ~153 kB/token, ~89 kB/token with `--out-dtype fp16`, "
+             "~25 kB/token with `--supervision topk --k 64`. N workers at T tokens/s each need N x T x bytes/token; "
+             "at T = 20k tokens/s per GPU (an assumption for an 8B prefill, not a measurement) 8 GPUs write "
+             "24 GB/s of draft data, beyond most NFS servers (1-5 GB/s): there the run is bound at bandwidth / "
+             "(bytes/token), and the compact formats are the lever, not more GPUs."),
+            ("- The driver's bookkeeping per shard: one Ray round trip, a stat and a safetensors-header read of the "
+             "shard's files, and an atomic rewrite (write + fsync + rename) of the manifest, which grows by a few "
+             "kB per shard. Per shard it is milliseconds early on and O(manifest size) late: with 4,000 shards, "
+             "~10 MB, ~0.1 s on a disk at 100 MB/s. With N workers a shard arrives every shard-time / N; a "
+             "256-sample shard of 1k-token samples at 20k tokens/s takes ~13 s, so the driver keeps up to "
+             "N ~ 100 workers at the default shard size; past that, raise `--shard-size`.")
+            + (f" Measured here, the whole per-shard cost of the Ray path (round trip, end-of-shard drain of the "
+               f"writer, bookkeeping) is {', '.join(f'{1e3 * x:.0f} ms' for x in per_shard)} per shard "
+               f"((ray-1 loop - plain loop) / {shards} shards, per batch size)." if per_shard else ""), ""]
+    return out
+
+
+def serve_section(d: dict) -> list[str]:
+    """`eagle-fast serve` against in-process supervision and NeMo's own server (bench_serve.py)."""
+    env, s = d["environment"], d["setup"]
+    out = ["## Serving (`eagle-fast serve`) vs in-process and NeMo's server", "", _env_line(env), "",
+           (f"{s['model']}; requests of B={s['request_batch']} x S={s['request_seq']} (right-padded), "
+            f"{s['requests_per_client_per_round']} per client per round, {s['rounds']} interleaved rounds; "
+            f"draft vocab {s['draft_vocab']:,}. Ours: {s['ours']}. NeMo: {s['nemo']}. Clients are NeMo's "
+            "`RemoteEagle3TargetModel`, each in its own process. Peak RSS is the server process's VmHWM over "
+            "the round (reset before it); above idle = peak minus the RSS before the round."), ""]
+    out += _targets_md(d.get("targets", []))
+    rows = []
+    for r in d["records"]:
+        util = r.get("engine_utilisation")
+        per_call = r.get("requests_per_engine_call")
+        rows.append([f"`{r['provider']}`", f"{r['median_tokens_per_s']:.0f}" if r["median_tokens_per_s"] else "-",
+                     ", ".join(f"{x:.0f}" for x in r["tokens_per_s"]), fmt_b(r.get("max_peak_rss_bytes")),
+                     fmt_b(r.get("peak_above_idle_bytes")),
+                     ", ".join(f"{100 * x:.0f}%" for x in util) if util else "-",
+                     ", ".join(f"{x:.1f}" for x in per_call) if per_call else "-"])
+    out += _table(["provider", "tokens/s (median)", "per round", "peak server RSS", "above idle",
+                   "our engine busy", "requests per engine call"], rows)
+    m = d.get("memory", {})
+    if m.get("first_fifth_median"):
+        out += [(f"Server RSS over {s['memory_requests']} requests of 10 bucketed shapes: median "
+                 f"{fmt_b(m['first_fifth_median'])} in the first fifth, {fmt_b(m['last_fifth_median'])} in the "
+                 f"last, max {fmt_b(m['max'])}."), ""]
+    if d.get("cross_check"):
+        out += ["Cross-check: " + ", ".join(
+            f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}" for k, v in d["cross_check"].items()), ""]
     return out
 
 
@@ -309,12 +430,21 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
         d = json.loads(p.read_text())
         plot_lm_head(d, results / f"{p.stem}.png")
         out += lm_head_section(d)
+    capped = Path(results) / "avx2-capped" / "RESULTS.md"
+    if capped.exists() and Path(results).resolve() != capped.parent.resolve():
+        out += [(f"The floor cases and the runner as an AVX2-only CPU runs them (`make bench-avx2`: torch, "
+                 f"oneDNN and MKL capped to AVX2 on this machine): [{os.path.relpath(capped, _PAGE_DIR)}]"
+                 f"({os.path.relpath(capped, _PAGE_DIR)})."), ""]
     if "runner-cpu" in files:
         out += runner_section(json.loads(files["runner-cpu"].read_text()))
     if "pipeline-cpu" in files:
         out += pipeline_section(json.loads(files["pipeline-cpu"].read_text()))
     if "cpu_ops-cpu" in files:
         out += cpu_ops_section(json.loads(files["cpu_ops-cpu"].read_text()))
+    if "serve-cpu" in files:
+        out += serve_section(json.loads(files["serve-cpu"].read_text()))
+    if "ray-cpu" in files:
+        out += ray_section(json.loads(files["ray-cpu"].read_text()))
     text = "\n".join(out).rstrip() + "\n"
     page.write_text(text)
     return text

@@ -1,4 +1,4 @@
-"""`eagle-fast` command line: extract, vocab, verify, inspect, merge, demo.
+"""`eagle-fast` command line: extract, vocab, verify, inspect, merge, serve, demo.
 
 User mistakes (bad paths, bad lines in the data, settings that clash with an existing
 dataset, ...) raise `UserError`; `main` prints its cause and fix on stderr and returns 2, with
@@ -18,10 +18,12 @@ from eagle_fast import __version__
 from eagle_fast.demo import run_demo
 from eagle_fast.errors import UserError
 from eagle_fast.pipeline.config import ExtractConfig
+from eagle_fast.pipeline.distributed import RayOptions
 from eagle_fast.pipeline.inspect import inspect_text
 from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify, verify_report
+from eagle_fast.serve.app import ServeConfig, serve
 from eagle_fast.store.manifest import MANIFEST_NAME, read_manifest
 from eagle_fast.vocab import build_vocab
 
@@ -31,7 +33,9 @@ examples:
   eagle-fast vocab   --model ./Qwen3-8B --data chats.jsonl --size 32000 --out vocab.pt
   eagle-fast extract --model ./Qwen3-8B --data chats.jsonl --out ds/ --draft-vocab vocab.pt
   eagle-fast verify  ds/ --model ./Qwen3-8B
+  eagle-fast serve   --model ./Qwen3-8B --port 8001   (NeMo trainer: target_model_backend: remote)
   eagle-fast extract ... --out ds/ --shard 0/4      (one node of four; then `eagle-fast merge ds/`)
+  eagle-fast extract ... --out /shared/ds/ --ray    (Ray workers; RAY_ADDRESS or a local instance)
 """
 
 
@@ -76,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard file (default 256)")
     p.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators"), default="native",
                    help="on-disk layout (default native)")
+    p.add_argument("--ray", action="store_true",
+                   help="run the shards on Ray actors (needs `pip install 'eagle-fast[ray]'`); same bytes")
+    p.add_argument("--ray-workers", type=int, default=None, metavar="N",
+                   help="Ray workers, one runner each (default: one per GPU, else one per node)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="Ray cluster to join (default $RAY_ADDRESS, else a local instance)")
+    p.add_argument("--ray-cpus-per-worker", type=float, default=None, metavar="C",
+                   help="CPUs (and torch threads) per Ray worker (default: 1 with GPUs, else an even share)")
 
     p = sub.add_parser("vocab", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
     p.add_argument("--model", required=True, help="checkpoint directory (for its tokenizer and vocab size)")
@@ -99,6 +111,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="output directory (may already hold parts written by the nodes)")
     p.add_argument("parts", nargs="*", help="more directories holding parts (files are linked or copied)")
 
+    p = sub.add_parser("serve", help="serve EAGLE-3 supervision to NeMo AutoModel trainers over HTTP",
+                       description="NeMo AutoModel 0.7.0's remote-target server (point recipe_args.remote_urls "
+                                   "at it); waiting requests are batched into one engine call.")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory of the target")
+    p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
+                   help="vllm (default when installed and it can capture the model) or hf (transformers)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="dtype the target runs in (default: the checkpoint's)")
+    p.add_argument("--aux-layers", default=None, metavar="I,J,K",
+                   help="three decoder-layer indices (NeMo's convention); default NeMo's low/mid/high")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for other machines)")
+    p.add_argument("--port", type=int, default=8001, help="HTTP port (default 8001)")
+    p.add_argument("--probs-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="dtype of target_probs on the wire (default fp32; bf16 halves the bytes)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="longest row in tokens (default 2048, or the model's max_position_embeddings - 1)")
+    p.add_argument("--max-batch-tokens", type=int, default=65536,
+                   help="largest request (B x S) and most padded tokens per engine call (default 65536)")
+    p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
+                   help="exit once no request has come for SECONDS (jobs that must not outlive their trainer)")
+
     p = sub.add_parser("demo", help="build a small model + chat data and run vocab, extract, verify")
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto")
     p.add_argument("--out", default=None, help="dataset directory (default: under the cache)")
@@ -113,7 +146,11 @@ def cmd_extract(a: argparse.Namespace) -> int:
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
     )
-    summary = extract(cfg)
+    if not a.ray and (a.ray_workers, a.ray_address, a.ray_cpus_per_worker) != (None, None, None):
+        raise UserError("--ray-workers, --ray-address and --ray-cpus-per-worker apply to --ray runs only",
+                        "add --ray")
+    ray = RayOptions(workers=a.ray_workers, address=a.ray_address, cpus_per_worker=a.ray_cpus_per_worker)
+    summary = extract(cfg, ray=ray if a.ray else None)
     print(summary.text())
     if summary.complete and cfg.shard:
         print(f"this node's part is complete; once every node is done run: eagle-fast merge {a.out}")
@@ -148,12 +185,20 @@ def cmd_merge(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    return serve(ServeConfig(
+        model=a.model, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers, host=a.host, port=a.port,
+        probs_dtype=a.probs_dtype, max_len=a.max_len, max_batch_tokens=a.max_batch_tokens,
+        exit_when_idle=a.exit_when_idle,
+    ))
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(engine=a.engine, out=a.out, cache=a.cache)
 
 
 COMMANDS = {"extract": cmd_extract, "vocab": cmd_vocab, "verify": cmd_verify, "inspect": cmd_inspect,
-            "merge": cmd_merge, "demo": cmd_demo}
+            "merge": cmd_merge, "serve": cmd_serve, "demo": cmd_demo}
 
 
 def _print_error(cause: str, fix: str | None) -> None:

@@ -28,6 +28,7 @@ STAGES = [
     ("store", ("eagle_fast.store",)),
     ("vocab", ("eagle_fast.vocab",)),
     ("pipeline", ("eagle_fast.pipeline",)),
+    ("serve", ("eagle_fast.serve",)),
     ("cli", ("eagle_fast.demo", "eagle_fast.cli", "eagle_fast.__main__")),
 ]
 

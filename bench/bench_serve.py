@@ -1,0 +1,403 @@
+"""Serving benchmark: `eagle-fast serve` against in-process supervision and NeMo's own server.
+
+What it does
+    On the runner benchmark's tiny Qwen3 (REAL 151,936-token vocabulary, bf16 checkpoint) with a
+    32k draft vocabulary, interleaved round by round (the start rotated each round):
+      in-process     HFTargetRunner.forward_eagle3_supervision(("draft",), fp32 out) in a
+                     trainer-like process of its own, on the same batches client 0 sends
+      served-1       one NeMo RemoteEagle3TargetModel client (its own process) -> `eagle-fast
+                     serve --engine hf` (a subprocess, the real CLI)
+      served-4       four such clients at once, each sending the same number of batches
+      nemo-1         one client -> NeMo AutoModel 0.7.0's own server (`TargetModelServer` +
+                     `serve` from `eagle/remote/server.py`, `HFEagle3TargetModel`, what
+                     `serve_target --engine hf` runs)
+    then 200 requests against our server (10 bucketed shapes in random order, fresh tokens each
+    time, as a trainer sends), reading its RSS after each one.
+    tokens/s = real (attention-mask) tokens / wall time of the round's requests; peak server
+    memory = the server process's VmHWM over the round (reset through /proc/PID/clear_refs).
+
+Design
+    Clients are separate processes that stay up across rounds (their start-up is not timed) and
+    take commands on stdin, so client-side decoding never shares the server's interpreter.
+    Every provider does the same useful work: a NeMo `Eagle3TargetBatch` with fp32 target_probs.
+
+Limits
+    NeMo's `serve_target` loads the model with NeMoAutoModelForCausalLM, whose import needs
+    torchao (not installed here); the NeMo server runs transformers' AutoModelForCausalLM instead,
+    as serve_target does on a CPU otherwise: fp32 (serve_target's CPU dtype), same server code.
+    All processes share the machine's 2 cores: clients' decoding competes with the server.
+    oneDNN keeps per-shape state for every new GEMM shape (about 0.6 MB for a bf16 linear here,
+    nothing on a repeated shape), so RSS grows with the number of DISTINCT request shapes; the
+    memory check uses a trainer's bucketed shapes, and a run of random shapes is not flat.
+    Sizes: EAGLE_FAST_BENCH_SERVE_B / _S (per request), _N (requests per client per round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H
+from bench_runner import VOCAB, draft_vocab, tiny_checkpoint, tiny_spec
+
+REQ_B = int(os.environ.get("EAGLE_FAST_BENCH_SERVE_B", "2"))
+REQ_S = int(os.environ.get("EAGLE_FAST_BENCH_SERVE_S", "1024"))
+N_PER_CLIENT = int(os.environ.get("EAGLE_FAST_BENCH_SERVE_N", "2"))
+ROUNDS = 3
+CLIENTS = 4
+MEM_REQUESTS = int(os.environ.get("EAGLE_FAST_BENCH_SERVE_MEM", "200"))
+AUX_LAYER_IDS = [0, 1, 2]
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "NEMO_EAGLE_ENABLE_NCCL": "0"}
+
+
+def batch(seed: int, b: int = REQ_B, s: int = REQ_S):
+    """Right-padded (input_ids, attention_mask, loss_mask): rows of s, 3s/4, s/2, ... tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (b, s), generator=g)
+    am = torch.zeros(b, s, dtype=torch.long)
+    for i in range(b):
+        am[i, : max(1, s - i * s // 4)] = 1
+    lm = am * (torch.rand(b, s, generator=g) < 0.8).long()
+    return ids * am, am, lm
+
+
+def mapping():
+    ids, mask = draft_vocab()
+    return ids, mask
+
+
+# -- the processes ------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(args: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], env={**os.environ, **ENV}, **kw)
+
+
+def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import requests
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {url} exited with {proc.returncode}")
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"server {url} not healthy after {timeout} s")
+
+
+def nemo_server_main(model: str, port: int) -> None:
+    """NeMo's serve_target on a CPU (fp32), except the model loader (see the module header)."""
+    from nemo_automodel.components.speculative.eagle.remote.server import TargetModelServer, serve
+    from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    net.requires_grad_(False)
+    target = HFEagle3TargetModel(net, aux_layer_ids=AUX_LAYER_IDS)
+    serve(TargetModelServer(target, nccl_port=port + 100, host="127.0.0.1"), "127.0.0.1", port)
+
+
+def client_main(inproc_model: str | None = None) -> None:
+    """A trainer-side process. Per stdin line {"url", "seeds"}: one generate_batch per seed,
+    answering {"start", "end", "tokens"} (a URL's mapping is set once, then one warm-up request,
+    before its first timed command); {"url", "memory": n, "pid"}: n requests of random shapes,
+    answering the server's RSS after each. With `inproc_model` the "url" "in-process" runs
+    HFTargetRunner.forward_eagle3_supervision in this process instead (a trainer that computes
+    its own supervision), with torch's default threads."""
+    from nemo_automodel.components.speculative.eagle.remote.client import RemoteEagle3TargetModel
+
+    if inproc_model is None:
+        torch.set_num_threads(1)
+    else:
+        from eagle_fast import HFTargetRunner
+
+        runner = HFTargetRunner.build(inproc_model)
+        runner.set_aux_layers(AUX_LAYER_IDS)
+    clients = {}
+    sel, mask = mapping()
+    draft_ids = sel.sort().values
+
+    def one(url, ids, am, lm):
+        if url == "in-process":
+            return runner.forward_eagle3_supervision(ids, am, outputs=("draft",), draft_ids=draft_ids,
+                                                     out_dtype=torch.float32).draft_logprobs
+        return clients[url].generate_batch(ids, am, lm).target_probs
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        url = cmd["url"]
+        if url not in clients:
+            if url != "in-process":
+                clients[url] = RemoteEagle3TargetModel([url], device="cpu", timeout=600)
+                clients[url].set_vocab_mapping(sel, mask)
+            clients.setdefault(url, None)
+            one(url, *batch(10**6))
+        if "memory" in cmd:
+            # a trainer's shapes: 10 (B, S) buckets in random order, fresh tokens every time
+            g, rss = torch.Generator().manual_seed(99), []
+            shapes = [(b, s) for b in (1, 2) for s in (64, 128, 192, 256, 320)]
+            for i in range(cmd["memory"]):
+                b, s = shapes[int(torch.randint(len(shapes), (1,), generator=g))]
+                one(url, *batch(5000 + i, b=b, s=s))
+                rss.append(_proc_kib(cmd["pid"], "VmRSS") * 1024)
+            print(json.dumps({"rss": rss}), flush=True)
+            continue
+        start, tokens = time.time(), 0
+        for seed in cmd["seeds"]:
+            ids, am, lm = batch(seed)
+            out = one(url, ids, am, lm)
+            assert out.shape == (*ids.shape, sel.numel())
+            tokens += int(am.sum())
+        print(json.dumps({"start": start, "end": time.time(), "tokens": tokens}), flush=True)
+
+
+class Clients:
+    def __init__(self, n: int, inproc_model: str | None = None):
+        extra = ["--inproc", inproc_model] if inproc_model else []
+        self.procs = [_spawn([__file__, "--client", *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True) for _ in range(n)]
+
+    def ask(self, index: int, cmd: dict) -> dict:
+        p = self.procs[index]
+        p.stdin.write(json.dumps(cmd) + "\n")
+        p.stdin.flush()
+        return json.loads(p.stdout.readline())
+
+    def run(self, url: str, n_clients: int, round_index: int, n: int = N_PER_CLIENT) -> float:
+        """n_clients at once, n batches each -> tokens/s over the whole window."""
+        for c, p in enumerate(self.procs[:n_clients]):
+            seeds = [1000 * round_index + 10 * c + j for j in range(n)]
+            p.stdin.write(json.dumps({"url": url, "seeds": seeds}) + "\n")
+            p.stdin.flush()
+        res = [json.loads(p.stdout.readline()) for p in self.procs[:n_clients]]
+        return sum(r["tokens"] for r in res) / (max(r["end"] for r in res) - min(r["start"] for r in res))
+
+    def close(self):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def _stats(url: str) -> dict:
+    import requests
+
+    return requests.get(url + "/health", timeout=30).json()
+
+
+def _proc_kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def _reset_hwm(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+# -- the run ------------------------------------------------------------------------------------
+def run(out_dir: Path | None = None, benchmark=None) -> dict:
+    import requests
+    from nemo_automodel.components.speculative.eagle.remote.client import RemoteEagle3TargetModel
+
+    from eagle_fast import HFTargetRunner
+
+    t_start = time.perf_counter()
+    env = H.environment("cpu")
+    model = str(tiny_checkpoint())
+    sel, mask = mapping()
+    ours_port, nemo_port = _free_port(), _free_port()
+    ours_url, nemo_url = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{nemo_port}"
+    ours = _spawn(["-m", "eagle_fast", "serve", "--model", model, "--engine", "hf", "--aux-layers",
+                   ",".join(map(str, AUX_LAYER_IDS)), "--port", str(ours_port)])
+    nemo = _spawn([__file__, "--nemo-server", model, str(nemo_port)])
+    clients = Clients(CLIENTS)
+    trainer = Clients(1, inproc_model=model)  # a trainer computing its own supervision
+    runner = HFTargetRunner.build(model)  # for the cross-check only
+    runner.set_aux_layers(AUX_LAYER_IDS)
+    records, mem_series, check = {}, [], {}
+    try:
+        _wait_up(ours_url, ours)
+        _wait_up(nemo_url, nemo)
+        draft_ids = sel.sort().values
+
+        def in_process(round_index: int) -> float:
+            return trainer.run("in-process", 1, round_index)
+
+        def served(url, pid, n):
+            def go(round_index: int) -> float:
+                return clients.run(url, n, round_index)
+            return go, pid
+
+        providers = {"in-process": (in_process, None), "served-1": served(ours_url, ours.pid, 1),
+                     "served-4": served(ours_url, ours.pid, CLIENTS), "nemo-1": served(nemo_url, nemo.pid, 1)}
+        records = {name: {"provider": name, "tokens_per_s": [], "peak_rss_bytes": [], "idle_rss_bytes": []}
+                   for name in providers}
+        in_process(-1)  # warm-ups: each client's first command to a URL also sends one untimed
+        clients.run(ours_url, CLIENTS, -1, n=1)
+        clients.run(nemo_url, 1, -1, n=1)
+        names = list(providers)
+        for r in range(ROUNDS):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                fn, pid = providers[name]
+                if pid is not None:
+                    records[name]["idle_rss_bytes"].append(_proc_kib(pid, "VmRSS") * 1024)
+                    _reset_hwm(pid)
+                ours_before, t0 = _stats(ours_url) if name.startswith("served") else None, time.time()
+                records[name]["tokens_per_s"].append(fn(r))
+                if ours_before is not None:  # our engine's busy share of the round, and per-call speed
+                    after, wall = _stats(ours_url), time.time() - t0
+                    busy = after["engine_seconds"] - ours_before["engine_seconds"]
+                    records[name].setdefault("engine_utilisation", []).append(busy / wall)
+                    records[name].setdefault("requests_per_engine_call", []).append(
+                        (after["requests"] - ours_before["requests"]) / max(1, after["engine_calls"]
+                                                                            - ours_before["engine_calls"]))
+                if pid is not None:
+                    records[name]["peak_rss_bytes"].append(_proc_kib(pid, "VmHWM") * 1024)
+                print(f"  round {r} {name:10s} {records[name]['tokens_per_s'][-1]:8.0f} tok/s", flush=True)
+
+        # cross-check: the same batch through our server, NeMo's server, and in process
+        ids, am, lm = batch(7)
+        mine = RemoteEagle3TargetModel([ours_url], device="cpu")
+        mine.set_vocab_mapping(sel, mask)
+        theirs = RemoteEagle3TargetModel([nemo_url], device="cpu")
+        theirs.set_vocab_mapping(sel, mask)
+        a, b = mine.generate_batch(ids, am, lm), theirs.generate_batch(ids, am, lm)
+        ref = runner.forward_eagle3_supervision(ids, am, outputs=("draft",), draft_ids=draft_ids,
+                                                out_dtype=torch.float32).to_nemo_batch(ids, lm)
+        cols = torch.searchsorted(draft_ids, sel)  # client order -> sorted order
+        check = {"served_vs_in_process_max_abs_probs": float((a.target_probs - ref.target_probs[..., cols]).abs().max()),
+                 "served_vs_in_process_position_mask_equal": bool(torch.equal(a.position_mask, ref.position_mask)),
+                 "served_bf16_model_vs_nemo_fp32_model_max_abs_probs": float((a.target_probs - b.target_probs)[
+                     torch.cat((am[:, 1:], am[:, :1] * 0), 1).bool()].abs().max()),
+                 "served_vs_nemo_position_mask_agree": float((a.position_mask == b.position_mask).float().mean())}
+
+        # memory over many requests of random shapes (from a client process)
+        mem_series = clients.ask(0, {"url": ours_url, "memory": MEM_REQUESTS, "pid": ours.pid})["rss"]
+        health = requests.get(ours_url + "/health", timeout=10).json()
+    finally:
+        clients.close()
+        trainer.close()
+        runner.close()
+        for p in (ours, nemo):
+            p.terminate()
+        rcs = {"ours": ours.wait(60), "nemo": nemo.wait(60)}
+
+    for rec in records.values():
+        rec["median_tokens_per_s"] = _median(rec["tokens_per_s"])
+        rec["max_peak_rss_bytes"] = max(rec["peak_rss_bytes"]) if rec["peak_rss_bytes"] else None
+        rec["peak_above_idle_bytes"] = (max(p - i for p, i in zip(rec["peak_rss_bytes"], rec["idle_rss_bytes"]))
+                                        if rec["peak_rss_bytes"] else None)
+    fifth = MEM_REQUESTS // 5
+    memory = {"rss_after_each_bytes": mem_series,
+              "first_fifth_median": _median(mem_series[:fifth]), "last_fifth_median": _median(mem_series[-fifth:]),
+              "max": max(mem_series) if mem_series else None}
+    out = {"benchmark": "serve", "environment": env,
+           "setup": {"model": "tiny Qwen3 (random), the runner benchmark's", "spec": tiny_spec().__dict__,
+                     "request_batch": REQ_B, "request_seq": REQ_S, "requests_per_client_per_round": N_PER_CLIENT,
+                     "rounds": ROUNDS, "clients": CLIENTS, "aux_layer_ids": AUX_LAYER_IDS,
+                     "draft_vocab": int(sel.numel()), "ours": "eagle-fast serve --engine hf (bf16, fp32 probs)",
+                     "nemo": "nemo_automodel 0.7.0 TargetModelServer + HFEagle3TargetModel (fp32, CPU)",
+                     "memory_requests": MEM_REQUESTS, "server_exit_codes": rcs, "server_health": health},
+           "records": list(records.values()), "memory": memory, "cross_check": check,
+           "wall_s": time.perf_counter() - t_start}
+    out["targets"] = evaluate(out).lines
+    if out_dir is not None:
+        H.write_json(Path(out_dir) / "serve-cpu.json", out)
+    return out
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
+
+
+def evaluate(out: dict) -> H.Verdicts:
+    v = H.Verdicts()
+    by = {r["provider"]: r for r in out["records"]}
+    tps = {k: r["median_tokens_per_s"] for k, r in by.items()}
+    where = f"tiny Qwen3 V={VOCAB}, requests of {REQ_B}x{REQ_S}"
+    if tps.get("in-process") and tps.get("served-1"):
+        r = tps["served-1"] / tps["in-process"]
+        v.check(f"serve ({where}): one client >= 0.9x in-process forward_eagle3_supervision", r >= 0.9,
+                f"{tps['served-1']:.0f} vs {tps['in-process']:.0f} tok/s = {r:.2f}x")
+    if tps.get("served-1") and tps.get("served-4"):
+        r = tps["served-4"] / tps["served-1"]
+        busy = {k: _median(by[k].get("engine_utilisation") or []) for k in ("served-1", "served-4")}
+        busy_txt = (f"; our engine busy {100 * busy['served-1']:.0f}% of the time with one client, "
+                    f"{100 * busy['served-4']:.0f}% with {CLIENTS}" if None not in busy.values() else "")
+        v.check(f"serve ({where}): {CLIENTS} clients >= 1.3x one client", r >= 1.3,
+                f"{tps['served-4']:.0f} vs {tps['served-1']:.0f} tok/s = {r:.2f}x{busy_txt}")
+    if tps.get("nemo-1") and tps.get("served-1"):
+        r = tps["served-1"] / tps["nemo-1"]
+        v.check(f"serve ({where}): >= 2x NeMo serve_target (hf) tokens/s, one client", r >= 2.0,
+                f"{tps['served-1']:.0f} vs {tps['nemo-1']:.0f} tok/s = {r:.2f}x")
+    mine, theirs = by.get("served-1", {}), by.get("nemo-1", {})
+    if mine.get("max_peak_rss_bytes") and theirs.get("max_peak_rss_bytes"):
+        r = mine["max_peak_rss_bytes"] / theirs["max_peak_rss_bytes"]
+        v.check(f"serve ({where}): peak server memory <= 0.2x NeMo's (RSS, one client)", r <= 0.2,
+                f"{H.fmt_bytes(mine['max_peak_rss_bytes'])} vs {H.fmt_bytes(theirs['max_peak_rss_bytes'])} = {r:.2f}x "
+                f"(above idle: {H.fmt_bytes(mine['peak_above_idle_bytes'])} vs "
+                f"{H.fmt_bytes(theirs['peak_above_idle_bytes'])})")
+    m = out["memory"]
+    if m.get("first_fifth_median"):
+        growth = m["last_fifth_median"] - m["first_fifth_median"]
+        v.check(f"serve: server memory flat over {MEM_REQUESTS} requests of 10 bucketed shapes (<= 5% growth)",
+                growth <= 0.05 * m["first_fifth_median"],
+                f"RSS median {H.fmt_bytes(m['first_fifth_median'])} (first fifth) -> "
+                f"{H.fmt_bytes(m['last_fifth_median'])} (last fifth), max {H.fmt_bytes(m['max'])}")
+    return v
+
+
+try:
+    import pytest
+except ImportError:  # pragma: no cover
+    pytest = None
+
+if pytest is not None:
+    def test_serve(benchmark):
+        pytest.importorskip("nemo_automodel.components.speculative.eagle.remote.client")
+        out = benchmark.pedantic(lambda: run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR))),
+                                 rounds=1, iterations=1)
+        chk = out["cross_check"]
+        assert chk["served_vs_in_process_position_mask_equal"], chk
+        assert chk["served_vs_in_process_max_abs_probs"] < 1e-5, chk
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
+    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--inproc", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--nemo-server", nargs=2, metavar=("MODEL", "PORT"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.client:
+        client_main(a.inproc)
+        return 0
+    if a.nemo_server:
+        nemo_server_main(a.nemo_server[0], int(a.nemo_server[1]))
+        return 0
+    run(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""`eagle-fast serve`: the HTTP server NeMo AutoModel's `RemoteEagle3TargetModel` trains against.
+
+FastAPI routes on uvicorn. Bodies are NeMo's wire format (`serve.wire`); a `generate` is
+checked (`serve.protocol`) and handed to the engine thread (`serve.batching.Batcher`), which
+coalesces requests waiting together into one engine call; responses stream straight from the
+response tensors' memory with a Content-Length. Errors are JSON `{"error", "fix"}`: 400 for a
+body that is not a wire blob, 409/413/422 for a request the engine cannot run, 500 when the
+engine fails (the next request rebuilds it), 503 while it cannot be built.
+
+Lifecycle: the engine starts in the background and `/health` answers 200 once it is ready.
+SIGTERM / Ctrl-C stop accepting, let in-flight requests finish, then stop the engine (its
+processes, its capture directory). `exit_when_idle` stops the server once no request has come
+for that many seconds. `init_nccl` answers "disabled": the data always travels in the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from eagle_fast import __version__
+from eagle_fast.checkpoint import load_model_info, resolve_dtype_name
+from eagle_fast.dtypes import SHORT_NAMES, long_name
+from eagle_fast.errors import UserError
+from eagle_fast.inputs import resolve_max_len
+from eagle_fast.pipeline.config import default_runner_factory, log, parse_aux_layers, resolve_engine
+from eagle_fast.serve import protocol as P
+from eagle_fast.serve import wire
+from eagle_fast.serve.batching import Batcher, Engine, EngineFailure, EngineUnavailable
+
+logger = logging.getLogger("eagle_fast.serve")
+PROBS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+
+
+@dataclass
+class ServeConfig:
+    """`eagle-fast serve` arguments as data (see the CLI for each one's meaning)."""
+
+    model: str
+    engine: str = "auto"
+    dtype: str = "auto"
+    aux_layers: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8001
+    probs_dtype: str = "fp32"
+    max_len: int | None = None
+    max_batch_tokens: int = 65536
+    exit_when_idle: float | None = None
+
+
+class TargetServer:
+    """The resolved settings, the engine thread and the FastAPI app for one target.
+
+    runner_factory(engine, model, dtype, max_len) builds the runner (default: the extraction's
+    `default_runner_factory`); the server sets its aux layers.
+    """
+
+    def __init__(self, cfg: ServeConfig, runner_factory: Callable | None = None):
+        if cfg.probs_dtype not in PROBS_DTYPES:
+            raise UserError(f"--probs-dtype {cfg.probs_dtype!r} is not one of fp32, bf16", "pick one of them")
+        if cfg.max_batch_tokens < 1:
+            raise UserError(f"--max-batch-tokens must be positive, got {cfg.max_batch_tokens}",
+                            "pass e.g. --max-batch-tokens 65536")
+        if cfg.exit_when_idle is not None and cfg.exit_when_idle <= 0:
+            raise UserError(f"--exit-when-idle must be positive, got {cfg.exit_when_idle}",
+                            "pass the seconds without requests after which the server exits")
+        dtype_name = resolve_dtype_name(cfg.model, cfg.dtype)
+        if dtype_name not in SHORT_NAMES:
+            raise UserError(f"--dtype {cfg.dtype!r} is not one of auto, bf16, fp16, fp32", "pick one of them")
+        self.cfg = cfg
+        self.info = load_model_info(cfg.model)
+        self.aux_layer_ids = parse_aux_layers(cfg.aux_layers, self.info.num_hidden_layers)
+        self.dtype = SHORT_NAMES[dtype_name]
+        self.probs_dtype = PROBS_DTYPES[cfg.probs_dtype]
+        self.max_len = resolve_max_len(cfg.max_len, self.info.max_positions)
+        self.engine_name = resolve_engine(cfg.engine, self.info)
+        positions = self.info.max_positions
+        if self.engine_name == "vllm" and positions and self.max_len >= positions:
+            raise UserError(f"--max-len {self.max_len}: vLLM needs one position beyond the longest row and this "
+                            f"model has {positions}", f"pass --max-len {positions - 1}")
+        factory = runner_factory or default_runner_factory
+
+        def build():
+            runner = factory(self.engine_name, cfg.model, self.dtype, self.max_len)
+            try:
+                runner.set_aux_layers(self.aux_layer_ids)
+            except BaseException:
+                runner.close()
+                raise
+            return runner
+
+        self.engine = Engine(build)
+        self.batcher = Batcher(self.engine, self.probs_dtype, cfg.max_batch_tokens)
+        self.mapping: P.VocabMapping | None = None
+        self.in_flight = 0
+        self.last_activity = time.monotonic()
+        self.uvicorn: uvicorn.Server | None = None
+        self.app = self._make_app()
+
+    # -- facts ------------------------------------------------------------------------------------
+    def model_info(self) -> dict:
+        """NeMo's four keys (`num_hidden_layers`, `hidden_size`, `vocab_size`, `aux_layer_ids`)
+        plus what this server runs."""
+        return {"num_hidden_layers": self.info.num_hidden_layers, "hidden_size": self.info.hidden_size,
+                "vocab_size": self.info.vocab_size, "aux_layer_ids": list(self.aux_layer_ids),
+                "engine": self.engine_name, "dtype": long_name(self.dtype),
+                "probs_dtype": self.cfg.probs_dtype, "max_len": self.max_len,
+                "max_batch_tokens": self.cfg.max_batch_tokens, "nccl": False,
+                "server": f"eagle-fast {__version__}"}
+
+    def health(self) -> tuple[int, dict]:
+        ready = self.engine.runner is not None
+        body = {"status": "ok" if ready else ("failed" if self.engine.error else "starting"),
+                "engine": self.engine_name, **self.batcher.stats, "in_flight": self.in_flight}
+        if self.engine.error:
+            body["error"] = self.engine.error
+        return (200 if ready else 503), body
+
+    # -- the app ----------------------------------------------------------------------------------
+    def _make_app(self) -> FastAPI:
+        server = self
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            server.batcher.start()
+            watchdog = asyncio.create_task(server._watch_idle()) if server.cfg.exit_when_idle else None
+            try:
+                yield
+            finally:
+                if watchdog is not None:
+                    watchdog.cancel()
+                await asyncio.to_thread(server.shutdown)
+
+        app = FastAPI(title="eagle-fast serve", version=__version__, lifespan=lifespan,
+                      docs_url=None, redoc_url=None, openapi_url=None)
+
+        app.add_middleware(_TrackActivity, server=server)
+
+        @app.exception_handler(UserError)
+        async def user_error(_request, exc: UserError):
+            status = exc.status if isinstance(exc, P.RequestError) else 400
+            return JSONResponse({"error": exc.cause, "fix": exc.fix}, status_code=status)
+
+        @app.exception_handler(EngineFailure)
+        async def engine_failure(_request, exc: EngineFailure):
+            return JSONResponse({"error": f"the engine failed: {exc}",
+                                 "fix": "retry: the next request rebuilds the engine"}, status_code=500)
+
+        @app.exception_handler(EngineUnavailable)
+        async def engine_unavailable(_request, exc: EngineUnavailable):
+            return JSONResponse({"error": str(exc), "fix": "see the server's log; it retries on every request"},
+                                status_code=503)
+
+        @app.get("/" + P.EP_HEALTH)
+        async def health():
+            status, body = server.health()
+            return JSONResponse(body, status_code=status)
+
+        @app.post("/" + P.EP_MODEL_INFO)
+        async def model_info():
+            return JSONResponse(server.model_info())
+
+        @app.post("/" + P.EP_HEARTBEAT)
+        async def heartbeat():
+            return JSONResponse({"status": "ok"})
+
+        @app.post("/" + P.EP_DISCONNECT)
+        async def disconnect():
+            return JSONResponse({"status": "ok"})
+
+        @app.post("/" + P.EP_INIT_NCCL)
+        async def init_nccl():
+            return JSONResponse({"status": "disabled"})
+
+        @app.post("/" + P.EP_SET_VOCAB_MAPPING)
+        async def set_vocab_mapping(request: Request):
+            tensors = wire.decode(await request.body())
+            mapping = P.parse_vocab_mapping(tensors, server.info.vocab_size)
+            if not (server.mapping is not None and torch.equal(mapping.selected_ids, server.mapping.selected_ids)
+                    and torch.equal(mapping.selected_mask, server.mapping.selected_mask)):
+                server.mapping = mapping  # an equal one keeps the old object: its requests still batch together
+            return JSONResponse({"status": "ok", "draft_vocab_size": int(server.mapping.draft_ids.numel())})
+
+        @app.post("/" + P.EP_INPUT_EMBEDDINGS)
+        async def input_embeddings():
+            weight = await asyncio.wrap_future(server.batcher.call(lambda r: r.input_embedding_weight()))
+            return _stream({"weight": weight.detach().cpu()})
+
+        @app.post("/" + P.EP_GENERATE)
+        async def generate(request: Request):
+            tensors = wire.decode(await request.body())
+            req = P.parse_generate(tensors, server.mapping, vocab_size=server.info.vocab_size,
+                                   max_len=server.max_len, max_batch_tokens=server.cfg.max_batch_tokens)
+            result = await asyncio.wrap_future(server.batcher.generate(req))
+            return _stream({k: result[k] for k in P.SUPERVISION_KEYS})
+
+        return app
+
+    async def _watch_idle(self) -> None:
+        limit = float(self.cfg.exit_when_idle)
+        while True:
+            await asyncio.sleep(min(0.5, limit / 4))
+            if self.engine.ready_at is None and self.engine.error is None:
+                continue  # the first engine start is not idle time
+            idle = time.monotonic() - max(self.last_activity, self.engine.ready_at or 0.0)
+            if self.in_flight == 0 and idle > limit and self.uvicorn:
+                log(f"no request for {idle:.0f} s (--exit-when-idle {limit:g}); shutting down")
+                self.uvicorn.should_exit = True
+                return
+
+    def shutdown(self) -> None:
+        """Finish queued work, stop the engine thread, release the engine. Idempotent."""
+        self.batcher.stop()
+        self.engine.close()
+
+    # -- running ----------------------------------------------------------------------------------
+    def make_uvicorn(self, **overrides) -> uvicorn.Server:
+        config = uvicorn.Config(self.app, host=self.cfg.host, port=self.cfg.port, access_log=False,
+                                log_level="warning", lifespan="on", **overrides)
+        self.uvicorn = _Uvicorn(config, self)
+        return self.uvicorn
+
+    def run(self) -> None:
+        """Serve until SIGTERM / Ctrl-C (or idle), in this (main) thread."""
+        server = self.make_uvicorn()
+        log(f"serving {self.cfg.model} on http://{self.cfg.host}:{self.cfg.port} (engine {self.engine_name}, "
+            f"aux layers {self.aux_layer_ids}, target_probs {self.cfg.probs_dtype}); /health answers 200 "
+            "once the engine is ready")
+        server.run()
+        log("stopped")
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM / Ctrl-C that drained cleanly exits with 0 (uvicorn
+    re-raises the signal after its graceful shutdown, which ends the process with -15 / 130)."""
+
+    def __init__(self, config: uvicorn.Config, target: TargetServer):
+        super().__init__(config)
+        self.target = target
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig, frame) -> None:
+        if not self.should_exit:
+            log(f"{signal.Signals(sig).name}: draining {self.target.in_flight} request(s) in flight, then "
+                "stopping the engine (again to force)")
+        self.handle_exit(sig, frame)
+
+
+class _TrackActivity:
+    """ASGI middleware: counts POSTs in flight (response streaming included) and when the last
+    one came, for --exit-when-idle. Pure ASGI, so streamed bodies pass through untouched."""
+
+    def __init__(self, app, server: TargetServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        self.server.in_flight += 1
+        self.server.last_activity = time.monotonic()
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.server.in_flight -= 1
+            self.server.last_activity = time.monotonic()
+
+
+def _stream(tensors: dict[str, torch.Tensor | None]) -> Response:
+    """A wire-format response streamed from the tensors' own memory, with its Content-Length."""
+    size = wire.encoded_size(tensors)
+
+    async def body():
+        for piece in wire.encode_chunks(tensors):
+            yield piece
+
+    return StreamingResponse(body(), media_type="application/octet-stream",
+                             headers={"content-length": str(size)})
+
+
+def return_freed_memory(mmap_threshold: int = 256 << 10) -> bool:
+    """Make glibc give large freed blocks back to the OS at once (process-wide; Linux/glibc only).
+
+    A server allocates response tensors of every size; by default glibc raises its mmap
+    threshold up to 32 MiB as blocks are freed, so later blocks below it come from per-thread
+    heaps that fragment and stay resident: RSS creeps up request after request. Pinning the
+    threshold keeps every block over `mmap_threshold` its own mapping, unmapped on free."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+                    and libc.mallopt(_M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1)
+    except (OSError, AttributeError):  # not glibc: nothing to pin
+        return False
+
+
+def serve(cfg: ServeConfig) -> int:
+    """The CLI's entry: resolve the settings (UserError on a bad one), then serve (a dedicated
+    process: its malloc is told to return freed memory)."""
+    server = TargetServer(cfg)
+    return_freed_memory()
+    server.run()
+    return 0
+
+
+__all__ = ["ServeConfig", "TargetServer", "serve"]

@@ -1,0 +1,272 @@
+"""The engine side of `eagle-fast serve`: one thread owns the runner and coalesces waiting
+`generate` requests into one engine call.
+
+`Batcher` runs jobs from a queue on its own thread. A `generate` job takes every other
+`generate` waiting behind it with the same vocabulary mapping, up to the token budget, and
+runs them as ONE `runner.capture` over all their rows plus ONE `supervise` over all their
+final hidden states (the head streams its weight once per group, not once per request).
+`ServedFields` is `supervise`'s destination: it writes each request's NeMo fields straight into
+that request's response tensors (shifted left by one, target_probs = exp of the draft-vocab
+log-softmax, position_mask from the full-vocab argmax), so nothing `[tokens, vocab]` exists.
+`Engine` builds the runner, drops it after a failure and rebuilds it on the next job.
+
+Limits: one engine, one thread; a batch shares one mapping (requests with another one wait for
+the next call).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+import torch.nn.functional as F
+
+from eagle_fast.runners.base import RunnerBase
+from eagle_fast.serve.protocol import GenerateRequest, VocabMapping
+from eagle_fast.supervision import _shift_left, supervise, zeros
+
+logger = logging.getLogger(__name__)
+_STOP = object()
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot be built (the message says why); the app answers 503."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised during a call; the app answers 500 and the next job rebuilds it."""
+
+
+class Engine:
+    """The runner's lifecycle: `get()` builds it when there is none (first job, or after a
+    failure), `fail()` closes a runner that raised, `close()` releases it for good."""
+
+    def __init__(self, build: Callable[[], RunnerBase]):
+        self._build = build
+        self.runner: RunnerBase | None = None
+        self.error: str | None = None
+        self.builds = 0
+        self.ready = threading.Event()
+        self.ready_at: float | None = None  # monotonic time of the last successful build
+
+    def get(self) -> RunnerBase:
+        if self.runner is None:
+            t0 = time.perf_counter()
+            try:
+                self.runner = self._build()
+            except Exception as exc:
+                self.error = f"the engine could not be built: {type(exc).__name__}: {exc}"
+                logger.error("%s", self.error)
+                raise EngineUnavailable(self.error) from exc
+            self.builds += 1
+            self.error = None
+            self.ready_at = time.monotonic()
+            logger.info("engine ready in %.1f s (build %d)", time.perf_counter() - t0, self.builds)
+            self.ready.set()
+        return self.runner
+
+    def fail(self, exc: BaseException) -> None:
+        self.error = f"the engine failed: {type(exc).__name__}: {exc}; the next request rebuilds it"
+        logger.error("%s", self.error)
+        runner, self.runner = self.runner, None
+        self.ready.clear()
+        if runner is not None:
+            try:
+                runner.close()
+            except Exception:
+                logger.exception("closing the failed engine")
+
+    def close(self) -> None:
+        runner, self.runner = self.runner, None
+        self.ready.clear()
+        if runner is not None:
+            runner.close()
+
+
+class ServedFields:
+    """`supervise` destination: each request's response tensors, filled in NeMo's shifted frame.
+
+    For request i, row b, unshifted position t (1 <= t < n_b) the head's results land at t - 1:
+    target_probs[b, t-1] = exp(draft_logprobs[t]) (client's column order, `probs_dtype`),
+    position_mask[b, t-1] = selected_mask[argmax[t]] & loss_mask[b, t]. Positions from n_b - 1
+    on keep zero / False: no token follows them in the row.
+    """
+
+    copies = True  # the head returns fp32 and put() rounds once, while it copies
+
+    def __init__(self, requests: list[GenerateRequest], mapping: VocabMapping, probs_dtype: torch.dtype,
+                 vocab_size: int):
+        self.where = [(i, b) for i, r in enumerate(requests) for b in range(len(r.rows))]
+        self.mapping = mapping
+        mask = mapping.selected_mask
+        if mask.numel() < vocab_size:  # an LM head padded past config.vocab_size: extra ids are no draft
+            mask = F.pad(mask, (0, vocab_size - mask.numel()))
+        self._mask = mask
+        self.probs, self.position_mask, self._loss_next = [], [], []
+        Vd = mapping.draft_ids.numel()
+        for r in requests:
+            B, S = r.input_ids.shape
+            self.probs.append(zeros((B, S, Vd), probs_dtype, "cpu"))
+            self.position_mask.append(torch.zeros(B, S, 1, dtype=torch.bool))
+            self._loss_next.append(r.loss_mask[:, 1:].bool())
+
+    def put(self, pieces: list[tuple[int, int, int]], values: dict[str, torch.Tensor]) -> None:
+        probs = values["draft_logprobs"].float().exp_()
+        if self.mapping.columns is not None:
+            probs = probs.index_select(1, self.mapping.columns.to(probs.device))
+        mask = self._mask.to(values["argmax"].device)
+        in_draft = mask[values["argmax"]].cpu()
+        start = 0
+        for row, a, c in pieces:
+            i, b = self.where[row]
+            first = max(a, 1)  # position 0 has no slot after the shift
+            lo, hi = start + first - a, start + c - a
+            if hi > lo:
+                self.probs[i][b, first - 1:c - 1].copy_(probs[lo:hi])
+                self.position_mask[i][b, first - 1:c - 1, 0] = (
+                    in_draft[lo:hi] & self._loss_next[i][b, first - 1:c - 1])
+            start += c - a
+
+
+def supervise_requests(runner: RunnerBase, requests: list[GenerateRequest], probs_dtype: torch.dtype
+                       ) -> list[dict[str, torch.Tensor]]:
+    """One engine call and one head pass for all `requests` (one mapping) -> per request, the
+    response tensors keyed by SUPERVISION_KEYS, with the shapes, dtypes and shifts of NeMo's
+    `compute_supervision`."""
+    mapping = requests[0].mapping
+    captures = runner.capture([row for r in requests for row in r.rows])
+    auxes, k = [], 0
+    for r in requests:
+        B, S = r.input_ids.shape
+        n = len(r.rows)
+        auxes.append(RunnerBase._scatter_rows([a for a, _ in captures[k:k + n]], r.lengths, B, S, "cpu"))
+        k += n
+    finals: list[torch.Tensor | None] = [f for _, f in captures]
+    del captures
+    into = ServedFields(requests, mapping, probs_dtype, runner.head.vocab_size)
+    supervise(runner.head, finals, ("draft",), into, draft_ids=mapping.draft_ids, out_dtype=probs_dtype)
+    return [{"aux_hidden_states": aux, "target_probs": probs, "position_mask": pmask,
+             "input_ids": _shift_left(r.input_ids), "loss_mask": _shift_left(r.loss_mask)}
+            for r, aux, probs, pmask in zip(requests, auxes, into.probs, into.position_mask)]
+
+
+class _Job:
+    __slots__ = ("fn", "future", "request")
+
+    def __init__(self, request: GenerateRequest | None, fn: Callable | None):
+        self.request, self.fn, self.future = request, fn, Future()
+
+
+class Batcher:
+    """The engine's thread. `generate(request)` and `call(fn)` return Futures; the thread builds
+    the engine first, then runs jobs in arrival order, coalescing waiting generates.
+
+    stats: engine calls, requests and real tokens served, the most requests one call served, and
+    the seconds spent in engine calls (busy time / wall time = the engine's utilisation).
+    """
+
+    def __init__(self, engine: Engine, probs_dtype: torch.dtype, max_batch_tokens: int):
+        self.engine = engine
+        self.probs_dtype = probs_dtype
+        self.max_batch_tokens = max_batch_tokens
+        self._queue: queue.Queue = queue.Queue()
+        self._held: collections.deque[_Job] = collections.deque()
+        self.stats = {"engine_calls": 0, "requests": 0, "largest_batch": 0, "failures": 0, "tokens": 0,
+                      "engine_seconds": 0.0}
+        self._thread = threading.Thread(target=self._loop, name="eagle-fast-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Run what is queued, then stop the thread (the engine stays: `Engine.close` frees it)."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout)
+
+    def generate(self, request: GenerateRequest) -> Future:
+        job = _Job(request, None)
+        self._queue.put(job)
+        return job.future
+
+    def call(self, fn: Callable[[RunnerBase], object]) -> Future:
+        job = _Job(None, fn)
+        self._queue.put(job)
+        return job.future
+
+    def _next(self, block: bool):
+        if self._held:
+            return self._held.popleft()
+        return self._queue.get() if block else self._queue.get_nowait()
+
+    def _loop(self) -> None:
+        try:
+            self.engine.get()
+        except EngineUnavailable:
+            pass  # every job will retry the build and report why it fails
+        stopping = False
+        while True:
+            try:
+                job = self._next(block=not stopping)
+            except queue.Empty:
+                return
+            if job is _STOP:
+                stopping = True
+                continue
+            batch = [job]
+            if job.request is not None:
+                budget = self.max_batch_tokens - job.request.input_ids.numel()
+                while True:
+                    try:
+                        nxt = self._next(block=False)
+                    except queue.Empty:
+                        break
+                    if nxt is _STOP:
+                        stopping = True
+                        continue
+                    r = nxt.request
+                    if r is None or r.mapping is not job.request.mapping or r.input_ids.numel() > budget:
+                        self._held.append(nxt)
+                        break
+                    batch.append(nxt)
+                    budget -= r.input_ids.numel()
+            self._run(batch)
+            # the futures hold the responses: drop them now, not when the next job arrives
+            batch = job = nxt = r = None
+
+    def _run(self, batch: list[_Job]) -> None:
+        live = [j for j in batch if j.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            runner = self.engine.get()
+        except EngineUnavailable as exc:
+            for j in live:
+                j.future.set_exception(exc)
+            return
+        try:
+            if live[0].request is None:
+                results = [live[0].fn(runner)]
+            else:
+                t0 = time.perf_counter()
+                results = supervise_requests(runner, [j.request for j in live], self.probs_dtype)
+                self.stats["engine_seconds"] += time.perf_counter() - t0
+                self.stats["engine_calls"] += 1
+                self.stats["requests"] += len(live)
+                self.stats["tokens"] += sum(j.request.tokens for j in live)
+                self.stats["largest_batch"] = max(self.stats["largest_batch"], len(live))
+        except Exception as exc:  # noqa: BLE001 - the engine's failure goes to every request in the call
+            self.stats["failures"] += 1
+            self.engine.fail(exc)
+            failure = EngineFailure(f"{type(exc).__name__}: {exc}")
+            for j in live:
+                j.future.set_exception(failure)
+            return
+        for j, res in zip(live, results):
+            j.future.set_result(res)
