@@ -432,7 +432,7 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
         out += lm_head_section(d)
     capped = Path(results) / "avx2-capped" / "RESULTS.md"
     if capped.exists() and Path(results).resolve() != capped.parent.resolve():
-        out += [(f"The floor cases and the runner as an AVX2-only CPU runs them (`make bench-avx2`: torch, "
+        out += [(f"The floor cases as an AVX2-only CPU runs them (`make bench-avx2`: torch, "
                  f"oneDNN and MKL capped to AVX2 on this machine): [{os.path.relpath(capped, _PAGE_DIR)}]"
                  f"({os.path.relpath(capped, _PAGE_DIR)})."), ""]
     if "runner-cpu" in files:
