@@ -49,7 +49,7 @@ test-avx2: $(STAMP)
 	  $(BIN)/python -m pytest -q $(ISA_TESTS)
 
 # pytest-benchmark over bench/bench_*.py (head, runner, pipeline), then bench/RESULTS.md and the
-# plots from bench/results/*.json; see bench/README.md. About 6-10 minutes on 2 cores.
+# plots from bench/results/*.json; see bench/README.md. About 14 minutes on 2 cores (845 s measured).
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
 

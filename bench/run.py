@@ -15,7 +15,7 @@ Design
     A missed target does not fail the run (the page records it); a benchmark that errors does.
 
 Limits
-    `--only` picks modules; the CPU suite is sized for 10 minutes on 2 cores (bench/README.md).
+    `--only` picks modules; the CPU suite took 845 s on 2 cores (bench/README.md).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def test_dataset_equals_hf_runner(reference, tiny_llama, inputs, hf_llama):
     for i, s in enumerate(plan.samples):
         got = ds[i]
         aux, final = hf_llama.capture([s.input_ids])[0]
-        want = hf_llama.head.compute(final, ("draft",), draft_ids=draft_ids)
+        want = hf_llama.head.compute(final, ("draft", "lse"), draft_ids=draft_ids)  # native stores lse
         assert_ids_equal(got["input_ids"], torch.tensor(s.input_ids), name=f"input_ids[{i}]")
         assert_ids_equal(got["loss_mask"], torch.tensor(s.loss_mask, dtype=torch.bool), name=f"loss_mask[{i}]")
         assert_close(got["aux_hidden_states"], aux, atol=1e-5, rtol=1e-5, name=f"aux[{i}]")
