@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from eagle_fast.dtypes import NUMPY_TWINS
-from eagle_fast.kernels._common import OUT_DTYPE_FIELDS
+from eagle_fast.kernels._common import LSE_OUTPUTS, OUT_DTYPE_FIELDS
 
 # Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
 HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
@@ -215,7 +215,7 @@ def bytes_per_token(
     h_el, o_el = head_dtype.itemsize, out_dtype.itemsize
     V = head.vocab_size
     widths = {"argmax": (8, 8)}  # name -> (staged, kept) bytes per token
-    if {"lse", "logprobs", "topk"} & set(head_outputs):
+    if LSE_OUTPUTS & set(head_outputs):
         widths["lse"] = (4, 4)
     if "logits" in head_outputs:
         widths["logits"] = (h_el * V, o_el * V)

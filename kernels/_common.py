@@ -19,6 +19,9 @@ import torch
 
 OUTPUT_NAMES = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
 NORM_MODES = ("rms", "rms_one_plus", "none")
+# Outputs that need the full-vocabulary logsumexp (an exp of every logit): lse itself, and the
+# log-probs and top-k tail that are relative to it. Requested alone, the others skip that pass.
+LSE_OUTPUTS = frozenset({"lse", "logprobs", "topk"})
 # HeadOutput fields returned in the request's out_dtype (lse and topk_tail stay fp32).
 OUT_DTYPE_FIELDS = ("logits", "logprobs", "topk_logprobs", "draft_logprobs")
 
@@ -102,7 +105,7 @@ class HeadRequest:
     def needs_lse(self) -> bool:
         """Whether the full-vocabulary logsumexp (an exp of every logit) is computed: for
         "lse" itself, and for logprobs and top-k (log-probs and tail mass are relative to it)."""
-        return bool(self.outputs & {"lse", "logprobs", "topk"})
+        return bool(self.outputs & LSE_OUTPUTS)
 
 
 def empty_output(req: HeadRequest) -> HeadOutput:
