@@ -28,7 +28,7 @@ from eagle_fast.dtypes import NUMPY_TWINS
 from eagle_fast.kernels._common import LSE_OUTPUTS, OUT_DTYPE_FIELDS
 
 # Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
-HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
+HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft", "draft_topk")
 SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
 # Group sizing (see `plan_supervision_groups`). Each head call also streams the whole weight
 # (a fixed cost per call: `bench/bench_cpu_ops.py`, "call-overhead"), so groups are as large as
@@ -54,7 +54,10 @@ class Supervision:
     topk_ids           [B, S, k]   int64;  topk_logprobs [B, S, k] out_dtype;  topk_tail [B, S] fp32
     draft_logprobs     [B, S, Vd]  out_dtype, log_softmax over the draft ids (exp() = EAGLE-3's target_p)
     argmax_in_draft    [B, S]      bool, full-vocab argmax is a draft token (EAGLE-3's position mask
-                                   before the loss mask)
+                                   before the loss mask); with "draft" or "draft_topk"
+    draft_topk_ids     [B, S, k]   int64 indices into draft_ids ("draft_topk", the sparse target);
+                                   draft_topk_logprobs [B, S, k] out_dtype, over the draft vocabulary;
+                                   draft_topk_tail [B, S] fp32, the draft mass outside them
     hidden             [B, S, H]   target dtype, final hidden BEFORE the final norm, when requested
     """
 
@@ -69,6 +72,9 @@ class Supervision:
     topk_tail: torch.Tensor | None = None
     draft_logprobs: torch.Tensor | None = None
     argmax_in_draft: torch.Tensor | None = None
+    draft_topk_ids: torch.Tensor | None = None
+    draft_topk_logprobs: torch.Tensor | None = None
+    draft_topk_tail: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
 
     def as_dict(self) -> dict[str, torch.Tensor]:
@@ -77,13 +83,18 @@ class Supervision:
             f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
         }
 
-    def target_probs(self) -> torch.Tensor:
-        """EAGLE-3's `target_p` over the draft vocabulary, fp32 `[B, S, Vd]`, UNSHIFTED."""
-        if self.draft_logprobs is None:
-            raise ValueError("target_probs needs outputs=('draft',) and draft_ids")
-        return self.draft_logprobs.float().exp() * self.attention_mask.unsqueeze(-1).to(
-            torch.float32
-        )
+    def target_probs(self, tail: str = "spread", draft_size: int | None = None) -> torch.Tensor:
+        """EAGLE-3's `target_p` over the draft vocabulary, fp32 `[B, S, Vd]`, UNSHIFTED.
+
+        From "draft" as computed; from "draft_topk" rebuilt by `dense_target_p` (`tail`, and
+        `draft_size` = Vd, which the sparse fields do not carry)."""
+        mask = self.attention_mask.unsqueeze(-1).to(torch.float32)
+        if self.draft_logprobs is not None:
+            return self.draft_logprobs.float().exp() * mask
+        if self.draft_topk_ids is not None and draft_size is not None:
+            return dense_target_p(self.draft_topk_ids, self.draft_topk_logprobs,
+                                  self.draft_topk_tail, draft_size, tail) * mask
+        raise ValueError("target_probs needs outputs=('draft',), or ('draft_topk',) and draft_size")
 
     def to_nemo_batch(self, input_ids: torch.Tensor, loss_mask: torch.Tensor):
         """NeMo AutoModel's precomputed-supervision `Eagle3TargetBatch` (draft vocab only).
@@ -109,6 +120,36 @@ class Supervision:
             target_probs=_shift_left(probs),
             position_mask=position_mask.unsqueeze(-1),
         )
+
+
+TAIL_MODES = ("spread", "drop", "renormalize")
+
+
+def dense_target_p(
+    ids: torch.Tensor, logprobs: torch.Tensor, tail: torch.Tensor, draft_size: int, mode: str = "spread"
+) -> torch.Tensor:
+    """The dense draft distribution fp32 `[..., Vd]` rebuilt from the sparse draft target.
+
+    ids `[..., k]` (indices into the draft vocabulary), logprobs `[..., k]` (over the draft
+    vocabulary), tail `[...]` (the draft mass outside them). `mode`:
+      "spread"       the tail spread evenly over the Vd - k other ids (sums to 1 up to the
+                     rounding of the stored log-probs);
+      "drop"         zero outside the top-k (sums to 1 - tail, as stored);
+      "renormalize"  zero outside the top-k, the top-k scaled to sum to 1.
+    """
+    if mode not in TAIL_MODES:
+        raise ValueError(f"tail mode must be one of {TAIL_MODES}, got {mode!r}")
+    k = ids.shape[-1]
+    if not 1 <= k <= draft_size:
+        raise ValueError(f"draft_size {draft_size} must be >= k = {k} (the stored top-k width)")
+    p = logprobs.float().exp()
+    if mode == "renormalize":
+        p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    out = torch.zeros(*ids.shape[:-1], draft_size, dtype=torch.float32, device=ids.device)
+    if mode == "spread" and draft_size > k:
+        fill = (tail.float() / (draft_size - k)).unsqueeze(-1)
+        out += fill
+    return out.scatter_(-1, ids.long(), p)
 
 
 def _shift_left(t: torch.Tensor) -> torch.Tensor:
@@ -179,11 +220,12 @@ def supervise(
     """
     head_outputs = tuple(o for o in outputs if o != "hidden")
     with_hidden = "hidden" in outputs
-    k = k if "topk" in head_outputs else 0
+    k = k if {"topk", "draft_topk"} & set(head_outputs) else 0
     # A copying destination rounds while it copies, so the head returns fp32 and no 16-bit
-    # transient of the group sits next to the fp32 one. Not with top-k, whose log-probs the head
-    # rounds from float64 (fp32 first would round twice).
-    head_dtype = torch.float32 if into.copies and "topk" not in head_outputs else out_dtype
+    # transient of the group sits next to the fp32 one. Not with a top-k, whose log-probs the
+    # head rounds from float64 (fp32 first would round twice).
+    rounds_itself = {"topk", "draft_topk"} & set(head_outputs)
+    head_dtype = torch.float32 if into.copies and not rounds_itself else out_dtype
     lens = [f.shape[0] for f in finals]
     staged, kept = bytes_per_token(head, head_outputs, with_hidden, draft_ids, k, head_dtype, out_dtype)
     groups = plan_supervision_groups(
@@ -225,6 +267,8 @@ def bytes_per_token(
         widths["topk"] = ((8 + h_el) * k + 4, (8 + o_el) * k + 4)
     if "draft" in head_outputs and draft_ids is not None:
         widths["draft"] = (h_el * draft_ids.numel() + 1, o_el * draft_ids.numel() + 1)
+    if "draft_topk" in head_outputs:
+        widths["draft_topk"] = ((8 + h_el) * k + 5, (8 + o_el) * k + 5)
     hidden_bytes = head.hidden_size * head.dtype.itemsize
     if with_hidden:
         widths["hidden"] = (0, hidden_bytes)  # the capture itself, already resident

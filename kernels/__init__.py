@@ -36,6 +36,7 @@ import importlib.util
 import math
 import numbers
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 
@@ -79,11 +80,11 @@ def _check_real(name: str, value, *, positive: bool = False, nonnegative: bool =
     return value
 
 
-def _check_draft_ids(draft_ids, vocab: int, device: torch.device) -> torch.Tensor:
+def _check_draft_ids(draft_ids, vocab: int, device: torch.device, which: str = "draft") -> torch.Tensor:
     """draft_ids -> int64 [Vd], strictly increasing, within [0, vocab), on `device`."""
     if not isinstance(draft_ids, torch.Tensor):
         raise ValueError(  # noqa: TRY004
-            "outputs include 'draft' but draft_ids is "
+            f"outputs include {which!r} but draft_ids is "
             + (
                 "missing (None)"
                 if draft_ids is None
@@ -202,18 +203,28 @@ def _validate(
         raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
 
     names = _normalise_outputs(outputs)
-    if "topk" in names:
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-            raise ValueError(f"k must be an int when 'topk' is requested, got {k!r}")
-        k = int(k)
-        if not 1 <= k <= V:
+    if "draft_topk" in names:
+        clash = sorted(names & {"topk", "logits", "logprobs"})
+        if clash:
             raise ValueError(
-                f"k must be in [1, V={V}] when 'topk' is requested (weight "
-                f"{_shape(weight)}), got k={k}"
+                f"outputs: 'draft_topk' cannot be combined with {clash} ('draft_topk' is the "
+                "sparse draft target: one k, and no [N, V] output); make two calls"
             )
+    draft = None
+    if names & {"draft", "draft_topk"}:
+        draft = _check_draft_ids(draft_ids, V, device, "draft" if "draft" in names else "draft_topk")
+    if names & {"topk", "draft_topk"}:
+        which = "topk" if "topk" in names else "draft_topk"
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+            raise ValueError(f"k must be an int when {which!r} is requested, got {k!r}")
+        k = int(k)
+        top = V if which == "topk" else draft.numel()
+        if not 1 <= k <= top:
+            where = f"V={V}] (weight {_shape(weight)})" if which == "topk" else (
+                f"Vd={top}] (the draft vocabulary)")
+            raise ValueError(f"k must be in [1, {where} when {which!r} is requested, got k={k}")
     else:
         k = 0
-    draft = _check_draft_ids(draft_ids, V, device) if "draft" in names else None
 
     if impl == "triton" and not _triton_available():
         raise ValueError(
@@ -246,6 +257,28 @@ def _triton_impl():
     return lm_head_triton
 
 
+def _draft_topk_by_parts(req: HeadRequest, impl) -> HeadOutput:
+    """"draft_topk" on an implementation without that mode (the Triton kernel): its "topk" over
+    the draft rows of the weight, which is the draft top-k normalised over the draft vocabulary,
+    plus one call over the whole vocabulary for argmax (and lse, "draft" when asked). That
+    streams the draft rows twice and gathers them per call; the PyTorch path does it in one
+    pass."""
+    draft_w = req.weight.index_select(0, req.draft_ids)
+    sub = replace(req, weight=draft_w, outputs=frozenset({"topk"}), draft_ids=None)
+    part = impl(sub)
+    rest = req.outputs - {"draft_topk"}
+    full = impl(replace(req, outputs=rest | {"argmax"}, k=0,
+                        draft_ids=req.draft_ids if "draft" in rest else None))
+    full.draft_topk_ids = part.topk_ids
+    full.draft_topk_logprobs = part.topk_logprobs
+    full.draft_topk_tail = part.topk_tail
+    if full.argmax_in_draft is None:
+        ids, arg = req.draft_ids, full.argmax
+        pos = torch.searchsorted(ids, arg).clamp_max(ids.numel() - 1)
+        full.argmax_in_draft = ids[pos] == arg
+    return full
+
+
 @torch.no_grad()
 def lm_head(
     hidden: torch.Tensor,
@@ -276,14 +309,18 @@ def lm_head(
             ... * (1 + w)) or "none" (hidden already normalised).
         logit_scale: finite, multiplies logits before the softcap.
         softcap: None or > 0: logits = softcap * tanh(logits / softcap) (Gemma 2).
-        outputs: any of "logits", "logprobs", "lse", "argmax", "topk", "draft". Only what is
+        outputs: any of "logits", "logprobs", "lse", "argmax", "topk", "draft", "draft_topk"
+            ("draft_topk": the sparse draft target, the k most likely draft ids with their
+            log-probs over the draft vocabulary and the draft mass outside them, with no
+            [N, Vd] buffer; not with "topk", "logits" or "logprobs"). Only what is
             asked for is computed: argmax is always filled (one max per tile), lse only with
             "lse", "logprobs" or "topk", the outputs that need an exp of every logit. So
             ("draft", "argmax") pays for the GEMM, a max per tile and an exp over the draft
             columns alone.
-        k: top-k size, 1 <= k <= V, any integer; read only for "topk".
+        k: top-k size, any integer, 1 <= k <= V for "topk" and 1 <= k <= Vd for "draft_topk";
+            read only for those.
         draft_ids: [Vd] strictly increasing target ids of the draft vocabulary (any integer
-            dtype); read only for "draft". See `draft_ids_from_d2t` / `draft_ids_from_t2d`.
+            dtype); read only for "draft" and "draft_topk". See `draft_ids_from_d2t` / `draft_ids_from_t2d`.
         out_dtype: bf16 | fp16 | fp32 for logits, logprobs, topk_logprobs, draft_logprobs.
         impl: "auto" | "triton" | "torch".
 
@@ -292,7 +329,8 @@ def lm_head(
         [...] fp32 (None unless computed, see `outputs`); logits / logprobs [..., V]; topk_ids [..., k] int64 and topk_logprobs
         [..., k] ordered by (probability desc, id asc), topk_tail [...] fp32 mass outside the
         top-k; draft_logprobs [..., Vd] (log_softmax over the draft ids only) and
-        argmax_in_draft [...] bool. Unrequested fields are None.
+        argmax_in_draft [...] bool; draft_topk_ids [..., k] int64 indices into draft_ids,
+        draft_topk_logprobs [..., k] and draft_topk_tail [...] fp32. Unrequested fields are None.
 
     Raises:
         ValueError naming the argument (and shapes) for any invalid input.
@@ -313,6 +351,8 @@ def lm_head(
     )
     if req.n_rows == 0:
         out = empty_output(req)
+    elif impl == "triton" and req.wants("draft_topk"):
+        out = _draft_topk_by_parts(req, _triton_impl())
     elif impl == "triton":
         out = _triton_impl()(req)
     else:

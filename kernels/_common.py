@@ -17,13 +17,13 @@ from typing import Self
 
 import torch
 
-OUTPUT_NAMES = ("logits", "logprobs", "lse", "argmax", "topk", "draft")
+OUTPUT_NAMES = ("logits", "logprobs", "lse", "argmax", "topk", "draft", "draft_topk")
 NORM_MODES = ("rms", "rms_one_plus", "none")
 # Outputs that need the full-vocabulary logsumexp (an exp of every logit): lse itself, and the
 # log-probs and top-k tail that are relative to it. Requested alone, the others skip that pass.
 LSE_OUTPUTS = frozenset({"lse", "logprobs", "topk"})
 # HeadOutput fields returned in the request's out_dtype (lse and topk_tail stay fp32).
-OUT_DTYPE_FIELDS = ("logits", "logprobs", "topk_logprobs", "draft_logprobs")
+OUT_DTYPE_FIELDS = ("logits", "logprobs", "topk_logprobs", "draft_logprobs", "draft_topk_logprobs")
 
 
 @dataclass
@@ -41,6 +41,10 @@ class HeadOutput:
     draft_logprobs      [..., Vd]  out_dtype, log_softmax over the draft subset only
                                    (exp() of it is EAGLE-3's target_p).
     argmax_in_draft     [...]      bool, whether the full-vocab argmax is a draft token.
+    draft_topk_ids      [..., k]   int64 indices INTO draft_ids (0..Vd-1), descending
+                                   probability, ties to the lower index ("draft_topk").
+    draft_topk_logprobs [..., k]   out_dtype, normalised over the draft subset (as draft_logprobs).
+    draft_topk_tail     [...]      fp32, draft mass outside the draft top-k (clamped >= 0).
     """
 
     lse: torch.Tensor | None
@@ -52,6 +56,9 @@ class HeadOutput:
     topk_tail: torch.Tensor | None = None
     draft_logprobs: torch.Tensor | None = None
     argmax_in_draft: torch.Tensor | None = None
+    draft_topk_ids: torch.Tensor | None = None
+    draft_topk_logprobs: torch.Tensor | None = None
+    draft_topk_tail: torch.Tensor | None = None
 
     def reshape(self, lead: tuple[int, ...]) -> HeadOutput:
         """Restore leading dims: each field's dim 0 (N rows) becomes `lead`."""
@@ -73,9 +80,11 @@ class HeadRequest:
     weight       [V, H] contiguous rows (stride(1) == 1)
     norm_weight  [H] or None (None iff norm == "none")
     draft_ids    int64 [Vd] strictly increasing in [0, V), same device, or None
+                 (given iff "draft" or "draft_topk" is requested)
     outputs      frozenset of OUTPUT_NAMES; "argmax" is always computed, "lse" when
                  `needs_lse` (requested, or the by-product of logprobs / top-k)
-    k            0 unless "topk" requested, then 1 <= k <= V
+    k            0 unless "topk" (1 <= k <= V) or "draft_topk" (1 <= k <= Vd) is requested;
+                 never both, and "draft_topk" never with logits / logprobs
     """
 
     hidden: torch.Tensor
@@ -125,6 +134,11 @@ def empty_output(req: HeadRequest) -> HeadOutput:
         out.topk_tail = torch.empty(0, dtype=torch.float32, device=dev)
     if req.wants("draft"):
         out.draft_logprobs = torch.empty(0, req.draft_ids.numel(), dtype=req.out_dtype, device=dev)
+        out.argmax_in_draft = torch.empty(0, dtype=torch.bool, device=dev)
+    if req.wants("draft_topk"):
+        out.draft_topk_ids = torch.empty(0, req.k, dtype=torch.int64, device=dev)
+        out.draft_topk_logprobs = torch.empty(0, req.k, dtype=req.out_dtype, device=dev)
+        out.draft_topk_tail = torch.empty(0, dtype=torch.float32, device=dev)
         out.argmax_in_draft = torch.empty(0, dtype=torch.bool, device=dev)
     return out
 

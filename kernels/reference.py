@@ -60,6 +60,7 @@ import torch
 
 from ._common import HeadOutput, HeadRequest, empty_output, lap
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
+from ._reference_draft import draft_log_softmax, draft_topk_outputs
 from ._reference_running import RunningTopK, update_argmax
 
 # CPU tiling: a [R, C] fp32 logits tile of 4 MiB (R = 1024 rows at C = 1024) and an fp32
@@ -192,35 +193,6 @@ def _mm_fp32_out(y: torch.Tensor, w_chunk: torch.Tensor) -> torch.Tensor:
     return torch.mm(y, w_chunk.t(), out_dtype=torch.float32)
 
 
-def _draft_log_softmax(
-    draft_buf: torch.Tensor, lse: torch.Tensor | None, out_dtype: torch.dtype, tile_elems: int
-) -> torch.Tensor:
-    """The draft log-probs in `out_dtype` from raw fp32 draft logits [N, Vd]: minus `lse` [N]
-    when the caller has the draft logsumexp, else torch's fused log_softmax per row.
-
-    Row blocks of about `tile_elems` elements (the call's [R, C] tile) go through a temporary
-    that stays in cache, so a 16-bit result is rounded from it on the way out and the fp32
-    buffer is read once (a whole-buffer subtract, then a cast, would write and re-read it).
-    An fp32 result is `draft_buf` itself, shifted in place.
-    """
-    n, vd = draft_buf.shape
-    if lse is not None and out_dtype == torch.float32:
-        return draft_buf.sub_(lse[:, None])
-    rows = max(1, min(n, tile_elems // max(vd, 1)))
-    tmp = torch.empty(rows, vd, dtype=draft_buf.dtype, device=draft_buf.device)
-    out = draft_buf if out_dtype == torch.float32 else torch.empty(
-        n, vd, dtype=out_dtype, device=draft_buf.device)
-    for r0 in range(0, n, rows):
-        blk = draft_buf[r0 : r0 + rows]
-        t = tmp[: blk.shape[0]]
-        if lse is None:
-            torch.log_softmax(blk, dim=1, out=t)
-        else:
-            torch.sub(blk, lse[r0 : r0 + rows, None], out=t)
-        out[r0 : r0 + rows].copy_(t)
-    return out
-
-
 def _gemm_operands(req: HeadRequest, k: int):
     """`(y, on_cpu, C, R, w_buf)`: the GEMM's left operand and the tiling of one head call.
 
@@ -306,8 +278,10 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
     dev = hidden.device
     N = hidden.shape[0]
     V = req.vocab
-    k = req.k if req.wants("topk") else 0
-    want_draft = req.wants("draft")
+    want_dtopk = req.wants("draft_topk")
+    k = req.k if req.wants("topk") or want_dtopk else 0
+    want_draft = req.wants("draft") or want_dtopk  # the walk's draft-first order
+    keep_draft = req.wants("draft")  # the [N, Vd] draft buffer
     need_lse = req.needs_lse
     f32, f64 = torch.float32, torch.float64
 
@@ -336,16 +310,18 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
     if logits_out is not None and logits_out.dtype == f32:
         gemm_into = logits_out
 
-    # Column order. Draft-first (draft wanted, no [N, V] output, no top-k): the vocabulary is
-    # walked as draft_ids, then the other ids, both ascending, so the draft columns are one
-    # contiguous range whose GEMM tiles land straight in the draft buffer (no gather), and the
-    # draft logsumexp is the running one when that range ends. Otherwise: id order, and the
-    # draft columns of each chunk are gathered from its tile.
+    # Column order. Draft-first (draft wanted, no [N, V] output, no full-vocab top-k; always
+    # for draft_topk): the vocabulary is walked as draft_ids, then the other ids, both
+    # ascending, so the draft columns are one contiguous range whose GEMM tiles land straight
+    # in the draft buffer (no gather), the draft logsumexp is the running one when that range
+    # ends, and a top-k over that range (draft_topk) has draft indices for ids. Otherwise: id
+    # order, and the draft columns of each chunk are gathered from its tile.
     draft_ids = req.draft_ids if want_draft else None
-    draft_first = want_draft and gemm_into is None and logits_out is None and not k
+    draft_first = want_dtopk or (want_draft and gemm_into is None and logits_out is None and not k)
     draft_lse = None
     if want_draft:
         Vd = draft_ids.numel()
+    if keep_draft:
         # Raw fp32 draft logits, filled tile by tile and shifted by their lse at the end.
         draft_buf = torch.empty(N, Vd, dtype=f32, device=dev)
     if draft_first:
@@ -373,7 +349,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
             a, b = bounds[j], bounds[j + 1]
             local_draft = draft_ids[a:b] - c0
         into, draft_dst = gemm_into, None
-        if draft_first and c1 <= Vd:
+        if draft_first and c1 <= Vd and keep_draft:
             # CPU: the GEMM writes the cache-resident tile, which the passes below read, and
             # one streaming copy moves it into the draft buffer (a GEMM into the buffer's
             # strided window runs at half speed); CUDA: straight into the window
@@ -393,7 +369,7 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
 
             rmax, rsum, rarg = run_max[r0:r1], run_sum[r0:r1], run_arg[r0:r1]
             new_max, tile_max = update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
-            topk = topks[blk] if topks is not None else None
+            topk = topks[blk] if topks is not None and not (want_dtopk and c1 > Vd) else None
             if topk is not None:
                 topk.update(tile, c0, tile_max)
             lap("merge", dev)
@@ -429,7 +405,11 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
             rmax.copy_(new_max)
             lap("exp", dev)
             del tile, scratch  # CUDA: free this tile before the next GEMM allocates its own
-        if draft_first and c1 == Vd:  # the draft range is complete: its logsumexp
+        if draft_first and c1 == Vd and want_dtopk:  # the draft range is complete
+            values = torch.cat([t.values for t in topks])
+            draft_lse, dtopk_logprobs, dtopk_tail = draft_topk_outputs(
+                run_max, run_sum, values, req.out_dtype)
+        elif draft_first and c1 == Vd:  # the draft range is complete: its logsumexp
             draft_lse = (run_max.double() + torch.log(run_sum)).float()
     tile_buf = w_buf = gather_buf = None  # free the chunk buffers before the draft normalisation
 
@@ -447,12 +427,16 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
         out.logits = logits_out
     if logprobs32 is not None:
         out.logprobs = logprobs32.sub_(out.lse[:, None]).to(req.out_dtype)
-    if topks is not None:
+    if req.wants("topk"):
         out.topk_ids = torch.cat([t.ids for t in topks])
         out.topk_logprobs = (top_values.double() - lse64[:, None]).to(req.out_dtype)
         out.topk_tail = (run_sum / total).clamp_(0.0, 1.0).float()
+    if want_dtopk:
+        out.draft_topk_ids = torch.cat([t.ids for t in topks])
+        out.draft_topk_logprobs, out.draft_topk_tail = dtopk_logprobs, dtopk_tail
+    if keep_draft:
+        out.draft_logprobs = draft_log_softmax(draft_buf, draft_lse, req.out_dtype, R * C)
     if want_draft:
-        out.draft_logprobs = _draft_log_softmax(draft_buf, draft_lse, req.out_dtype, R * C)
         pos = torch.searchsorted(draft_ids, run_arg).clamp_max(Vd - 1)
         out.argmax_in_draft = draft_ids[pos] == run_arg
     lap("copy-out", dev)

@@ -33,6 +33,11 @@ def _reduce(logits: torch.Tensor, k: int, draft_ids: torch.Tensor | None) -> Hea
     if draft_ids is not None:
         out.draft_logprobs = torch.log_softmax(logits[:, draft_ids], dim=-1)
         out.argmax_in_draft = torch.isin(out.argmax, draft_ids)
+        if 0 < k <= draft_ids.numel():  # the draft top-k: indices into draft_ids, same tie rule
+            d_order = torch.sort(logits[:, draft_ids], dim=-1, descending=True, stable=True).indices
+            out.draft_topk_ids = d_order[:, :k]
+            out.draft_topk_logprobs = torch.gather(out.draft_logprobs, 1, out.draft_topk_ids)
+            out.draft_topk_tail = torch.gather(out.draft_logprobs, 1, d_order[:, k:]).exp().sum(-1)
     return out
 
 
@@ -53,7 +58,8 @@ def oracle_from_logits(
     """Every head output of logits [..., V] (any float dtype), computed in float64.
 
     Fields keep the leading dims; float fields are float64, ids int64. logits, logprobs, lse
-    and argmax always; top-k when k > 0; draft outputs when draft_ids is given.
+    and argmax always; top-k when k > 0; draft outputs when draft_ids is given, and the draft
+    top-k (draft_topk_*) when both are and k <= Vd.
     """
     lead = tuple(logits.shape[:-1])
     x = logits.reshape(-1, logits.shape[-1])
