@@ -1,4 +1,4 @@
-"""Tiny random target checkpoints and an offline tokenizer, built locally.
+"""Tiny target checkpoints (random, or trained for seconds) and an offline tokenizer, built locally.
 
 No model hub is reachable here (nor needed): the tests, the benchmarks and `eagle-fast demo`
 build small checkpoints of the families in `FAMILIES` (Llama, Qwen, Mistral, Phi-3, OLMo-2,
@@ -6,9 +6,15 @@ Granite, Gemma-2/3) with transformers' `save_pretrained` (safetensors)
 and a byte-level BPE tokenizer trained on an embedded corpus, with a ChatML chat template
 whose `{% generation %}` markers let transformers return the assistant-token mask.
 
-Design limits: the models are random, so their "predictions" are noise; they exist to
-exercise every code path with real file formats. Head dims are kept in vLLM-CPU's supported
-set (32, 64, 80, 96, 112, 128, ...), and vocab sizes are deliberately not powers of two.
+`build_trained_tiny` also trains one (plain AdamW, under a minute on 2 cores) on the bundled
+chat data until its next-token distributions are peaked like a real LM's, for measurements that
+need that (storage fidelity); `training.json` beside it records the loss and the held-out
+peakedness before and after.
+
+Design limits: the random models' "predictions" are noise; they exist to exercise every code
+path with real file formats; the trained one knows only the templated demo chats. Head dims
+are kept in vLLM-CPU's supported set (32, 64, 80, 96, 112, 128, ...), and vocab sizes are
+deliberately not powers of two.
 Everything is deterministic for a given seed, and a build is atomic (temp dir + rename), so
 a cache dir is either complete or absent.
 """
@@ -17,9 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -137,6 +145,41 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 600):
     return fast
 
 
+def _random_model(spec: TinySpec):
+    """The transformers model of `spec`, randomly initialised from `spec.seed` (fp32)."""
+    common = {
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "initializer_range": spec.initializer_range,
+        "bos_token_id": None,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
+    if spec.arch not in FAMILIES:
+        raise ValueError(f"TinySpec.arch={spec.arch!r}: use one of {sorted(FAMILIES)}")
+    import transformers
+
+    config_name, model_name, family = FAMILIES[spec.arch]
+    Model = getattr(transformers, model_name)
+    cfg = getattr(transformers, config_name)(**common, **family)
+    torch.manual_seed(spec.seed)
+    model = Model(cfg)
+    # Random norm weights (not all ones) so a missed or mis-ordered norm shows in tests.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.25 * torch.randn_like(p))
+    return model
+
+
 def build_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec = TinySpec()) -> Path:
     """Write a random tiny checkpoint (config, safetensors, tokenizer) to `out_dir`, atomically.
 
@@ -153,36 +196,7 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        common = {
-            "hidden_size": spec.hidden_size,
-            "num_hidden_layers": spec.num_hidden_layers,
-            "num_attention_heads": spec.num_attention_heads,
-            "num_key_value_heads": spec.num_key_value_heads,
-            "head_dim": spec.head_dim,
-            "intermediate_size": spec.intermediate_size,
-            "vocab_size": spec.vocab_size,
-            "tie_word_embeddings": spec.tie_word_embeddings,
-            "max_position_embeddings": spec.max_position_embeddings,
-            "rms_norm_eps": spec.rms_norm_eps,
-            "initializer_range": spec.initializer_range,
-            "bos_token_id": None,
-            "eos_token_id": 2,
-            "pad_token_id": 0,
-        }
-        if spec.arch not in FAMILIES:
-            raise ValueError(f"TinySpec.arch={spec.arch!r}: use one of {sorted(FAMILIES)}")
-        import transformers
-
-        config_name, model_name, family = FAMILIES[spec.arch]
-        Model = getattr(transformers, model_name)
-        cfg = getattr(transformers, config_name)(**common, **family)
-        torch.manual_seed(spec.seed)
-        model = Model(cfg)
-        # Random norm weights (not all ones) so a missed or mis-ordered norm shows in tests.
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.copy_(1.0 + 0.25 * torch.randn_like(p))
+        model = _random_model(spec)
         dtype = getattr(torch, spec.torch_dtype)
         model = model.to(dtype)
         model.config.dtype = dtype
@@ -196,3 +210,197 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# ------------------------------------------------------------------------- trained targets
+# A random target's next-token distributions are nearly flat, so storage fidelity measured on
+# one (KL of a top-k or fp8 copy) says nothing about a real LM. These helpers train a tiny
+# target on the bundled chat data until its distributions are peaked, and cache it the same
+# way (temp dir + rename; `.complete` names the exact build, so any other dir is rebuilt).
+
+TRAINING_REPORT = "training.json"
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """How a tiny target is trained: plain AdamW on demo_chat.jsonl, every token a target."""
+
+    steps: int = 160
+    batch_size: int = 16      # conversations per step (the data averages ~72 tokens each)
+    lr: float = 5e-3          # peak; linear warm-up, then cosine decay to lr / 10
+    warmup: int = 10
+    weight_decay: float = 0.01
+    held_out: int = 40        # the data's last lines: never trained on, the peakedness report
+    seed: int = 0             # batch order (the init comes from TinySpec.seed)
+
+
+# Qwen3-style, 4 layers of hidden 128 (2 heads of 64, a vLLM-CPU head size), tied head; the vocab
+# is the bundled BPE's full size (the corpus saturates it at 1,923 tokens).
+TRAINED_SPEC = TinySpec(arch="qwen3", hidden_size=128, num_hidden_layers=4, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=64, intermediate_size=384, vocab_size=1923,
+                        tie_word_embeddings=True, max_position_embeddings=2048, torch_dtype="float32",
+                        seed=11, tokenizer_vocab=1923)
+
+
+def _data_path() -> Path:
+    return Path(__file__).with_name("data") / "demo_chat.jsonl"
+
+
+def _build_key(spec: TinySpec, train: TrainSpec) -> dict:
+    data = hashlib.sha256(_data_path().read_bytes()).hexdigest()[:16]
+    return {"spec": asdict(spec), "train": asdict(train), "data_sha256": data}
+
+
+def trained_tiny_dir(cache: str | os.PathLike, spec: TinySpec = TRAINED_SPEC,
+                     train: TrainSpec = TrainSpec()) -> Path:
+    """Where `build_trained_tiny` caches this build under a cache root (cf. demo.cache_dir)."""
+    blob = json.dumps(_build_key(spec, train), sort_keys=True).encode()
+    return Path(cache) / "models" / f"trained-{spec.key()}-s{train.steps}-{hashlib.sha256(blob).hexdigest()[:10]}"
+
+
+def _is_complete(out: Path, key: dict) -> bool:
+    marker = out / ".complete"
+    try:
+        return (out / "config.json").exists() and (out / TRAINING_REPORT).exists() and \
+            json.loads(marker.read_text()) == key
+    except (OSError, ValueError):
+        return False
+
+
+def _chat_sequences(tok, lines: list[str]) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, assistant mask) per conversation line, through the tokenizer's chat template."""
+    out = []
+    for raw in lines:
+        enc = tok.apply_chat_template(json.loads(raw)["messages"], tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True)
+        out.append((list(enc["input_ids"]), [int(bool(m)) for m in enc["assistant_masks"]]))
+    return out
+
+
+def _pad(seqs: list[list[int]], value: int) -> torch.Tensor:
+    T = max(len(s) for s in seqs)
+    return torch.tensor([s + [value] * (T - len(s)) for s in seqs], dtype=torch.int64)
+
+
+@torch.no_grad()
+def peakedness(model, sequences: list[tuple[list[int], list[int]]], batch_size: int = 16) -> dict:
+    """How peaked `model`'s next-token distributions are on `sequences` ((ids, assistant mask)).
+
+    Over every position t with a next token (`all`) and over those whose next token is an
+    assistant token (`assistant`, the positions a draft is supervised on): mean max
+    probability, mean entropy (nats) and mean NLL of the actual next token (nats).
+    """
+    model.eval()
+    sums = {g: {"max_prob": 0.0, "entropy": 0.0, "nll": 0.0, "positions": 0} for g in ("all", "assistant")}
+    for i in range(0, len(sequences), batch_size):
+        chunk = sequences[i: i + batch_size]
+        ids = _pad([s for s, _ in chunk], 0)
+        valid = _pad([[1] * len(s) for s, _ in chunk], 0).bool()
+        asst = _pad([m for _, m in chunk], 0).bool()
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=valid.long()).logits.float(), dim=-1)
+        logp, nxt = logp[:, :-1], ids[:, 1:]
+        stats = {"max_prob": logp.max(dim=-1).values.exp(),
+                 "entropy": -(logp.exp() * logp).sum(dim=-1),
+                 "nll": -logp.gather(-1, nxt.unsqueeze(-1)).squeeze(-1)}
+        for group, mask in (("all", valid[:, 1:]), ("assistant", valid[:, 1:] & asst[:, 1:])):
+            sums[group]["positions"] += int(mask.sum())
+            for name, value in stats.items():
+                sums[group][name] += float(value[mask].double().sum())
+    return {g: {k: (v if k == "positions" else round(v / max(s["positions"], 1), 4)) for k, v in s.items()}
+            for g, s in sums.items()}
+
+
+def _lr_at(step: int, train: TrainSpec) -> float:
+    if step < train.warmup:
+        return train.lr * (step + 1) / train.warmup
+    frac = (step - train.warmup) / max(train.steps - train.warmup, 1)
+    return train.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+def _train(model, sequences: list[tuple[list[int], list[int]]], train: TrainSpec) -> list[float]:
+    """Next-token cross-entropy on every real token, AdamW; returns the loss of every step."""
+    gen = torch.Generator().manual_seed(train.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": train.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=train.lr, betas=(0.9, 0.95))
+    model.train()
+    order: list[int] = []
+    losses = []
+    for step in range(train.steps):
+        if len(order) < train.batch_size:  # epoch by epoch, so every conversation is seen
+            order += torch.randperm(len(sequences), generator=gen).tolist()
+        batch, order = order[: train.batch_size], order[train.batch_size:]
+        ids = _pad([sequences[i][0] for i in batch], 0)
+        valid = _pad([[1] * len(sequences[i][0]) for i in batch], 0)
+        labels = ids.masked_fill(valid == 0, -100)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, train)
+        loss = model(input_ids=ids, attention_mask=valid, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(round(float(loss.detach()), 5))
+    model.eval()
+    return losses
+
+
+def build_trained_tiny(out_dir: str | os.PathLike, spec: TinySpec = TRAINED_SPEC,
+                       train: TrainSpec = TrainSpec()) -> Path:
+    """Train a tiny target on the bundled chat data and save it (config, safetensors, tokenizer).
+
+    The model is `spec`'s random init trained for `train.steps` AdamW steps on every line of
+    demo_chat.jsonl but the last `train.held_out`; `training.json` beside it records the loss
+    of every step, the seconds taken, and `peakedness` on the held-out lines before and after
+    training (`training_report` reads it). Deterministic for a given machine and thread count.
+    Atomic and cached: a directory whose `.complete` marker names this exact build (spec,
+    training, data) is returned as it is; anything else there is rebuilt.
+    """
+    out = Path(out_dir)
+    key = _build_key(spec, train)
+    if _is_complete(out, key):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        t0 = time.perf_counter()
+        tok = build_tokenizer(tmp, spec.tokenizer_vocab)
+        if len(tok) > spec.vocab_size:
+            raise ValueError(f"the tokenizer has {len(tok)} tokens, more than vocab_size={spec.vocab_size}")
+        lines = [raw for raw in _data_path().read_text().splitlines() if raw.strip()]
+        if not 0 < train.held_out < len(lines):
+            raise ValueError(f"TrainSpec.held_out={train.held_out}: keep between 1 and {len(lines) - 1} lines")
+        fit = _chat_sequences(tok, lines[: -train.held_out])
+        held = _chat_sequences(tok, lines[-train.held_out:])
+        model = _random_model(spec)
+        before = peakedness(model, held)
+        # Adam's tiny early second moments are denormals, which crawl on CPUs; torch has no
+        # getter, so the default (off) is put back.
+        torch.set_flush_denormal(True)
+        try:
+            losses = _train(model, fit, train)
+        finally:
+            torch.set_flush_denormal(False)
+        after = peakedness(model, held)
+        dtype = getattr(torch, spec.torch_dtype)
+        model = model.to(dtype)
+        model.config.dtype = dtype
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        report = {**key, "seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
+                  "torch": torch.__version__, "losses": losses,
+                  "held_out": {"random_init": before, "trained": after}}
+        (tmp / TRAINING_REPORT).write_text(json.dumps(report, indent=1, sort_keys=True))
+        (tmp / ".complete").write_text(json.dumps(key, sort_keys=True))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def training_report(model_dir: str | os.PathLike) -> dict:
+    """The `training.json` of a `build_trained_tiny` directory (losses, peakedness, seconds)."""
+    return json.loads((Path(model_dir) / TRAINING_REPORT).read_text())
