@@ -65,10 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vllm (default when installed and it can capture the model) or hf (transformers)")
     p.add_argument("--aux-layers", default=None, metavar="I,J,K",
                    help="three decoder-layer indices (NeMo AutoModel's convention); default low/mid/high")
-    p.add_argument("--supervision", choices=("draft", "topk", "lse", "logits", "hidden"), default=None,
+    p.add_argument("--supervision", choices=("draft", "draft-topk", "topk", "lse", "logits", "hidden"), default=None,
                    help="what to store (default: draft with --draft-vocab, else topk; nemo: draft; "
-                        "speculators: hidden)")
-    p.add_argument("--k", type=int, default=64, help="top-k width for --supervision topk (default 64)")
+                        "speculators: hidden). draft-topk: the sparse draft target, the k most "
+                        "likely draft ids with their log-probs and the draft mass outside them")
+    p.add_argument("--k", type=int, default=64,
+                   help="top-k width for --supervision topk / draft-topk (default 64)")
     p.add_argument("--draft-vocab", default=None, metavar="FILE", help="d2t/t2d file from `eagle-fast vocab`")
     _add_data_args(p)
     p.add_argument("--batch-tokens", type=int, default=16384, help="token budget per engine call (default 16384)")
@@ -76,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype the target runs in (default: the checkpoint's)")
     p.add_argument("--out-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="stored dtype of log-prob / logit fields, native format (default fp32)")
+    p.add_argument("--aux-dtype", choices=("auto", "fp8"), default="auto",
+                   help="stored dtype of the aux hidden states (and of --supervision hidden's final hidden): "
+                        "auto = the target dtype (default); fp8 = float8_e4m3fn with one fp32 scale per "
+                        "token, about half of bf16's bytes (native and speculators formats)")
     p.add_argument("--shard", default=None, metavar="I/N", help="this node's slice of N (merge with `eagle-fast merge`)")
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard file (default 256)")
     p.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators"), default="native",
@@ -144,7 +150,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
         model=a.model, data=a.data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
         supervision=a.supervision, k=a.k, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
-        out_dtype=a.out_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
+        out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
     )
     if not a.ray and (a.ray_workers, a.ray_address, a.ray_cpus_per_worker) != (None, None, None):
         raise UserError("--ray-workers, --ray-address and --ray-cpus-per-worker apply to --ray runs only",

@@ -18,7 +18,7 @@ _ALIASES = {**SHORT_NAMES, "float32": torch.float32, "float": torch.float32,
 SAFETENSORS_CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
 }
 # numpy dtypes with torch's memory layout (bf16 through its 16-bit pattern)
 NUMPY_TWINS = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "uint16",

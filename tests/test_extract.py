@@ -202,7 +202,7 @@ def _hf_expected(model, samples, aux, outputs, k=0, draft_ids=None):
         return out
 
 
-@pytest.mark.parametrize("supervision", ["topk", "draft", "hidden"])
+@pytest.mark.parametrize("supervision", ["topk", "draft", "draft-topk", "hidden"])
 def test_dataset_equals_hf_runner(tmp_path, tiny_llama, supervision):
     from eagle_fast.store.dataset import Eagle3Dataset
     from eagle_fast.vocab import DraftVocab, save_draft_vocab
@@ -211,17 +211,21 @@ def test_dataset_equals_hf_runner(tmp_path, tiny_llama, supervision):
     draft_ids = torch.arange(3, 1031, 4)
     vocab = save_draft_vocab(tmp_path / "v.pt", DraftVocab(draft_ids, 1031))
     s = extract(cfg_for(tiny_llama, data, tmp_path / "out", supervision=supervision, aux_layers="0,2,3",
-                        draft_vocab=str(vocab) if supervision == "draft" else None))
+                        draft_vocab=str(vocab) if supervision.startswith("draft") else None))
     assert s.complete and s.samples == 8
     ds = Eagle3Dataset(tmp_path / "out")
     tok = load_tokenizer(str(tiny_llama))
     plan = plan_inputs(data, tok, 1031, max_len=96, overlong="truncate")
     # the native layout stores lse beside each head kind, so the expectation asks for it
-    outputs = {"topk": ("topk",), "draft": ("draft", "lse"), "hidden": ()}[supervision]
+    outputs = {"topk": ("topk",), "draft": ("draft", "lse"), "draft-topk": ("draft_topk",),
+               "hidden": ()}[supervision]
     expected = _hf_expected(tiny_llama, [p.input_ids for p in plan.samples], [0, 2, 3], outputs, k=8,
-                            draft_ids=draft_ids if supervision == "draft" else None)
+                            draft_ids=draft_ids if supervision.startswith("draft") else None)
     fields = {"topk": ["topk_ids", "topk_logprobs", "topk_tail", "lse", "argmax"],
-              "draft": ["draft_logprobs", "argmax_in_draft", "lse", "argmax"], "hidden": ["hidden"]}[supervision]
+              "draft": ["draft_logprobs", "argmax_in_draft", "lse", "argmax"],
+              "draft-topk": ["draft_topk_ids", "draft_topk_logprobs", "draft_topk_tail", "argmax_in_draft",
+                             "argmax"],
+              "hidden": ["hidden"]}[supervision]
     assert len(ds) == len(plan.samples)
     for i, (p, e) in enumerate(zip(plan.samples, expected)):
         got = ds[i]

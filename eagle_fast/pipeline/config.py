@@ -22,7 +22,9 @@ from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
 from eagle_fast.runners.hf import HFTargetRunner
 from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported
+from eagle_fast.store.fp8 import check_aux_dtype
 from eagle_fast.store.layouts import KINDS, LAYOUTS
+from eagle_fast.store.sizes import size_table
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -139,6 +141,7 @@ class ExtractConfig:
     batch_tokens: int = 16384
     dtype: str = "auto"       # bf16 | fp16 | fp32 | auto (the checkpoint's)
     out_dtype: str = "fp32"
+    aux_dtype: str = "auto"   # stored hidden states: auto (the target dtype) | fp8 (store/fp8.py)
     shard: str | None = None
     shard_size: int = 256
     layout: str = "native"
@@ -168,6 +171,8 @@ class Summary:
     skipped: int = 0
     no_loss: int = 0
     note: str = ""
+    field_sizes: tuple = ()   # store.sizes.FieldSize per stored field: the by-field table
+    max_len: int = 0          # the layout's seq_length (nemo pads every sample to it)
 
     @property
     def throughput(self) -> float:
@@ -197,6 +202,8 @@ class Summary:
                 f"vs fp32 logits  {_fmt_bytes(self.fp32_logits_bytes)} for the same tokens with full fp32 "
                 f"logits -> saved {_fmt_bytes(max(saved, 0))} ({self.fp32_logits_bytes / max(self.bytes, 1):.1f}x "
                 f"smaller)")
+        if self.field_sizes:
+            lines += size_table(list(self.field_sizes), self.tokens, self.samples, self.max_len)
         return "\n".join(lines)
 
 
@@ -220,6 +227,7 @@ def _resolve_kind(cfg: ExtractConfig, have_draft: bool) -> str:
 def _check_config(cfg: ExtractConfig) -> None:
     if cfg.layout not in LAYOUTS:
         raise UserError(f"--format {cfg.layout!r} is not one of {', '.join(LAYOUTS)}", "pick one of them")
+    check_aux_dtype(cfg.layout, cfg.aux_dtype)
     for name, value in (("--dtype", cfg.dtype), ("--out-dtype", cfg.out_dtype)):
         if value not in SHORT_NAMES:
             raise UserError(f"{name} {value!r} is not one of bf16, fp16, fp32", "pick one of them")

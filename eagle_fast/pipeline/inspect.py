@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle_fast.pipeline.config import _fmt_bytes
+from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.dataset import Eagle3Dataset
 from eagle_fast.store.manifest import (
     MANIFEST_NAME,
@@ -14,6 +15,7 @@ from eagle_fast.store.manifest import (
     part_slice,
     read_manifest,
 )
+from eagle_fast.store.sizes import field_sizes, size_table
 
 # ---------------------------------------------------------------------------- inspect
 
@@ -42,6 +44,8 @@ def inspect_text(directory: str) -> str:
          f"{m['model']['num_hidden_layers']} layers, hidden {m['model']['hidden_size']}, "
          f"vocab {m['model']['vocab_size']:,})"),
         f"engine      {m['settings']['engine']}, dtype {m['settings']['dtype']}, aux layers {m['aux_layer_ids']}",
+        "aux dtype   " + ("fp8 (float8_e4m3fn, one fp32 scale per token)" if m["settings"].get("aux_dtype") == "fp8"
+                          else f"{m['settings']['dtype']} (the target dtype)"),
         f"supervision {sup['kind']}" + (f", k={sup['k']}" if sup["k"] else "")
         + (f", draft vocab {sup['draft_vocab_size']:,}" if sup["draft_vocab_size"] else ""),
         (f"data        {m['data']['path']} ({m['data']['lines']:,} lines; {m['data']['truncated']} truncated, "
@@ -52,6 +56,8 @@ def inspect_text(directory: str) -> str:
         "fields      " + ", ".join(f"{k} {v['dtype']}[{', '.join(map(str, v['shape']))}]"
                                   for k, v in m["fields"].items()),
     ]
+    spec = spec_from_manifest(m)
+    lines += size_table(field_sizes(make_layout(spec)), tokens, sum(r["samples"] for r in done), spec.max_len)
     if m.get("complete"):
         ds = Eagle3Dataset(directory)
         lengths = [ds.length(i) for i in range(len(ds))]

@@ -101,16 +101,20 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     draft = load_draft_vocab(cfg.draft_vocab, info.vocab_size) if cfg.draft_vocab else None
     kind = _resolve_kind(cfg, draft is not None)
     validate_layout_kind(cfg.layout, kind)
-    if kind == "draft" and draft is None and cfg.layout == "native":
-        raise UserError("--supervision draft needs a draft vocabulary",
+    if kind in ("draft", "draft-topk") and draft is None and cfg.layout == "native":
+        raise UserError(f"--supervision {kind} needs a draft vocabulary",
                         "create one with `eagle-fast vocab --data FILE --model PATH --size 32000 --out "
                         "vocab.pt` and pass --draft-vocab vocab.pt")
     if kind == "topk" and not 1 <= cfg.k <= (draft.size if (draft is not None and cfg.layout == "nemo")
                                              else info.vocab_size):
         raise UserError(f"--k {cfg.k} is out of range for this vocabulary", "pass 1 <= k <= vocab size")
+    if kind == "draft-topk" and draft is not None and not 1 <= cfg.k <= draft.size:
+        raise UserError(f"--k {cfg.k} is out of range for the draft vocabulary of {draft.size} ids "
+                        f"({cfg.draft_vocab})", f"pass 1 <= k <= {draft.size}")
     cfg = replace(cfg, max_len=resolve_max_len(cfg.max_len, info.max_positions))
-    if draft is not None and not (kind == "draft" or cfg.layout == "nemo"):
-        raise UserError(f"--draft-vocab only applies to --supervision draft (or --format nemo), not {kind}",
+    if draft is not None and not (kind in ("draft", "draft-topk") or cfg.layout == "nemo"):
+        raise UserError(f"--draft-vocab only applies to --supervision draft / draft-topk (or --format "
+                        f"nemo), not {kind}",
                         "drop --draft-vocab, or use --supervision draft")
     engine = resolve_engine(cfg.engine, info)
     tok = LazyTokenizer(cfg.model)
@@ -122,10 +126,11 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     shards = plan_shards(plan.samples, cfg.shard_size)
     pad_id = pad_token_id(special_token_ids(info.config_token_ids, tok))
     spec = LayoutSpec(
-        layout=cfg.layout, kind=kind, k=cfg.k if kind == "topk" else 0, hidden_size=info.hidden_size,
+        layout=cfg.layout, kind=kind, k=cfg.k if kind in ("topk", "draft-topk") else 0, hidden_size=info.hidden_size,
         num_aux=3, vocab_size=info.vocab_size,
         draft_size=draft.size if draft is not None else info.vocab_size,
         dtype=dtype, out_dtype=out_dtype, max_len=cfg.max_len, pad_token_id=int(pad_id),
+        aux_dtype=cfg.aux_dtype,
     )
     layout = make_layout(spec)
     draft_ids = draft.ids if draft is not None else None
@@ -145,6 +150,8 @@ def prepare(cfg: ExtractConfig) -> Prepared:
         "overlong": cfg.overlong,
         "shard_size": cfg.shard_size,
     }
+    if cfg.aux_dtype != "auto":  # absent for auto, so those manifests stay as they always were
+        settings["aux_dtype"] = cfg.aux_dtype
     root = Path(cfg.out)
     manifest = _initial_manifest(cfg, info, plan, shards, part, engine, aux, kind, spec, layout, settings,
                                  draft_ids)
@@ -230,7 +237,9 @@ def _existing_manifest(root: Path, part, settings: dict, cfg: ExtractConfig) -> 
             ours = eagle_section(load_json(q))
         except KeyError:
             raise UserError(f"{q} was not written by eagle-fast", "pass a new --out directory") from None
-        diffs = diff_settings(ours.get("settings", {}), settings)
+        # Settings absent from manifests at their default, shown by name in the diff.
+        defaults = {"aux_dtype": "auto"}
+        diffs = diff_settings({**defaults, **ours.get("settings", {})}, {**defaults, **settings})
         if diffs:
             raise UserError(
                 f"{root} already holds a dataset made with different settings ({'; '.join(diffs[:4])}"

@@ -46,6 +46,7 @@ from eagle_fast.pipeline.prepare import (
 )
 from eagle_fast.store.layouts import Layout, LayoutSpec
 from eagle_fast.store.manifest import part_slice
+from eagle_fast.store.sizes import field_sizes
 from eagle_fast.supervision import RowFields, supervise
 
 
@@ -239,7 +240,7 @@ def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
     if outputs is None:
         return results
     ids = None
-    if "draft" in outputs:
+    if {"draft", "draft_topk"} & set(outputs):
         ids = draft_ids if draft_ids is not None else torch.arange(layout.spec.vocab_size)
         ids = ids.to(runner.head.device)
     into = RowFields(len(samples))
@@ -392,4 +393,5 @@ def _summary(p: Prepared) -> Summary:
         shards_total=len(part_slice(len(p.shards), p.part)), complete=m["complete"], bytes=nbytes,
         fp32_logits_bytes=naive,
         engine=p.engine, truncated=p.plan.truncated, skipped=p.plan.skipped, no_loss=p.plan.no_loss,
+        field_sizes=tuple(field_sizes(p.layout)), max_len=p.spec.max_len,
     )

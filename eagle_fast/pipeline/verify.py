@@ -2,14 +2,15 @@
 
 Each stored sample is re-extracted with `HFTargetRunner` and re-encoded by its layout; floats
 must agree within a tolerance scaled by the target dtype, ids exactly, argmax-like fields up
-to a small rate of near-tie flips. `verify_report` is the table the CLI and the demo print.
+to a small rate of near-tie flips; fp8 hidden states within fp8's rounding bound on top of that.
+`verify_report` is the table the CLI and the demo print.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from eagle_fast.pipeline.config import default_runner_factory
 from eagle_fast.pipeline.run import compute_batch
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.dataset import Eagle3Dataset
+from eagle_fast.store.fp8 import FP8, SCALE_NAMES, dequantize, error_bound
 from eagle_fast.store.manifest import diff_settings
 
 # ----------------------------------------------------------------------------- verify
@@ -30,8 +32,9 @@ from eagle_fast.store.manifest import diff_settings
 @dataclass
 class FieldReport:
     name: str
-    kind: str            # float | exact | rate
-    value: float         # max abs error (float), mismatches (exact), mismatch rate (rate)
+    kind: str            # float | exact | rate | fp8
+    value: float         # max abs error (float), mismatches (exact), mismatch rate (rate),
+                         # largest error / its allowance (fp8)
     limit: float
     scale: float = 0.0
 
@@ -42,7 +45,8 @@ class FieldReport:
 
 _FLOAT_RTOL = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 _RATE_LIMIT = {torch.float32: 0.01, torch.float16: 0.05, torch.bfloat16: 0.1}
-_RATE_FIELDS = ("argmax", "argmax_in_draft", "topk_ids", "position_mask", "target_probs_indices")
+_RATE_FIELDS = ("argmax", "argmax_in_draft", "topk_ids", "draft_topk_ids", "position_mask",
+                "target_probs_indices")
 _EXACT_FIELDS = ("input_ids", "loss_mask", "attention_mask", "token_ids", "offsets")
 
 
@@ -75,6 +79,24 @@ def compare_fields(stored: dict, recomputed: dict, dtype: torch.dtype, tol_scale
     return reports
 
 
+def compare_fp8(name: str, stored: torch.Tensor, scale: torch.Tensor, recomputed: torch.Tensor,
+                dtype: torch.dtype, tol_scale: float = 1.0) -> FieldReport:
+    """fp8 `stored` (with its per-token `scale`) against the recomputed unquantised values.
+
+    Each element may differ by the fp8 rounding bound (`fp8.error_bound` of the recomputed value,
+    at the stored scale) plus the float tolerance `compare_fields` gives a target-dtype field;
+    the report's value is the largest error as a fraction of its allowance (pass: <= 1).
+    """
+    a = dequantize(stored, scale, torch.float64)
+    b = recomputed.to(torch.float64)
+    if not bool(torch.isfinite(a).all()) or not bool(torch.isfinite(b).all()):
+        return FieldReport(name, "fp8", float("inf"), 1.0)
+    field_scale = float(b.abs().max()) if b.numel() else 0.0
+    allowed = error_bound(b, scale) + _FLOAT_RTOL[dtype] * tol_scale * max(field_scale, 1.0)
+    value = float(((a - b).abs() / allowed).max()) if b.numel() else 0.0
+    return FieldReport(name, "fp8", value, 1.0, field_scale)
+
+
 def verify(directory: str, model: str | None = None, samples: int = 8, seed: int = 0,
            runner_factory: Callable | None = None, tol_scale: float = 1.0,
            full_checksums: bool = True) -> tuple[bool, list[FieldReport], list[int]]:
@@ -96,6 +118,7 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
                         f"({'; '.join(diffs[:3])})", "pass the same model directory as for extract")
     spec = spec_from_manifest(m)
     layout = make_layout(spec)
+    unquantised = make_layout(replace(spec, aux_dtype="auto"))  # fp8 fields' reference values
     rng = random.Random(seed)
     n = len(ds)
     picks = sorted(rng.sample(range(n), min(samples, n)))
@@ -114,9 +137,21 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
         results = compute_batch(runner, plans, layout, draft_ids, spec.k)
     finally:
         runner.close()
+    fp8_all: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
     for i, plan, result in zip(picks, plans, results):
         stored = ds.raw(i)
-        for name, b in layout.encode(plan, result).items():
+        encoded = layout.encode(plan, result)
+        fp8_names = [n for n, t in encoded.items() if n in SCALE_NAMES and t.dtype == FP8]
+        reference = unquantised.encode(plan, result) if fp8_names else {}
+        for name in fp8_names:
+            a, scale, b = stored.get(name), stored.get(SCALE_NAMES[name]), reference[name]
+            del encoded[name], encoded[SCALE_NAMES[name]]
+            if a is None or scale is None or a.dtype != FP8 or tuple(a.shape) != tuple(b.shape) \
+                    or scale.numel() != b.shape[0]:
+                broken[name] = FieldReport(name, "exact", float("inf"), 0)
+                continue
+            fp8_all.setdefault(name, []).append((a, scale.reshape(-1), b))
+        for name, b in encoded.items():
             a = stored.get(name)
             if a is None or tuple(a.shape) != tuple(b.shape):
                 broken[name] = FieldReport(name, "exact", float("inf"), 0)
@@ -125,6 +160,10 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
             recomputed_all.setdefault(name, []).append(b.reshape(-1))
     reports = compare_fields({k: torch.cat(v) for k, v in stored_all.items()},
                              {k: torch.cat(v) for k, v in recomputed_all.items()}, spec.dtype, tol_scale)
+    for name, parts in fp8_all.items():
+        if name not in broken:
+            reports.append(compare_fp8(name, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
+                                       torch.cat([p[2] for p in parts]), spec.dtype, tol_scale))
     reports = sorted([r for r in reports if r.name not in broken] + list(broken.values()), key=lambda r: r.name)
     return all(r.ok for r in reports), reports, picks
 
@@ -135,9 +174,10 @@ def verify_report(ok: bool, reports, picks, directory: str) -> str:
              f"  {'field':<22} {'check':<6} {'max error':>12} {'limit':>12}  result"]
     for r in reports:
         value = f"{r.value:.3e}" if r.kind == "float" else (f"{100 * r.value:.2f}%" if r.kind == "rate"
+                                                            else f"{r.value:.3f} bound" if r.kind == "fp8"
                                                             else f"{int(r.value)} diff")
         limit = f"{r.limit:.3e}" if r.kind == "float" else (f"{100 * r.limit:.2f}%" if r.kind == "rate"
-                                                            else "exact")
+                                                            else "1 bound" if r.kind == "fp8" else "exact")
         lines.append(f"  {r.name:<22} {r.kind:<6} {value:>12} {limit:>12}  {'ok' if r.ok else 'FAIL'}")
     lines.append("verify: PASS" if ok else "verify: FAIL (errors beyond tolerance)")
     return "\n".join(lines)

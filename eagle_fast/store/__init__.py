@@ -27,14 +27,17 @@ def spec_from_manifest(m: dict) -> LayoutSpec:
         layout=m["layout"], kind=s["kind"], k=int(s["k"]), hidden_size=int(s["hidden_size"]),
         num_aux=int(s["num_aux"]), vocab_size=int(s["vocab_size"]), draft_size=int(s["draft_size"]),
         dtype=SHORT_NAMES[s["dtype"]], out_dtype=SHORT_NAMES[s["out_dtype"]],
-        max_len=int(s["max_len"]), pad_token_id=int(s["pad_token_id"]),
+        max_len=int(s["max_len"]), pad_token_id=int(s["pad_token_id"]), aux_dtype=s.get("aux_dtype", "auto"),
     )
 
 
 def spec_to_json(spec: LayoutSpec) -> dict:
-    return {
+    out = {
         "kind": spec.kind, "k": spec.k, "hidden_size": spec.hidden_size, "num_aux": spec.num_aux,
         "vocab_size": spec.vocab_size, "draft_size": spec.draft_size,
         "dtype": short_name(spec.dtype), "out_dtype": short_name(spec.out_dtype),
         "max_len": spec.max_len, "pad_token_id": spec.pad_token_id,
     }
+    if spec.aux_dtype != "auto":  # absent for auto: those manifests stay as they always were
+        out["aux_dtype"] = spec.aux_dtype
+    return out

@@ -2,14 +2,21 @@
 
     ds = Eagle3Dataset("out/")          # validates the manifest and every file (cheaply)
     sample = ds[0]                      # dict of CPU tensors for one sample
+    ds = Eagle3Dataset("out/", aux_dtype=torch.float32)   # hidden states in fp32
     loader = DataLoader(ds, batch_size=8, collate_fn=Eagle3Dataset.collate)
 
 Native layout samples hold `input_ids` int64 [T], `loss_mask` bool [T], `aux_hidden_states`
 [T, 3H] (target dtype) and the supervision fields named as in `HeadOutput` (`draft_logprobs`
-+ `argmax_in_draft`, or `topk_ids` + `topk_logprobs` + `topk_tail`, or `logits`, always `lse`
-and `argmax`; or `hidden`, the pre-norm final hidden state), row t being the target's output
-after tokens 0..t. The nemo and speculators layouts yield their stored per-sample tensors
++ `argmax_in_draft`, or the sparse `draft_topk_ids` (int64 indices into the draft vocabulary)
++ `draft_topk_logprobs` + `draft_topk_tail` + `argmax_in_draft`, or `topk_ids` +
+`topk_logprobs` + `topk_tail`, or `logits`; `argmax` always, `lse` with all but draft-topk; or
+`hidden`, the pre-norm final hidden state), row t being the target's output after tokens
+0..t. `target_p(i, tail)` (or `Eagle3Dataset(dir, target_p="spread")`, which adds it to every
+sample) gives the dense draft distribution, rebuilt from the sparse fields where stored so. The nemo and speculators layouts yield their stored per-sample tensors
 as their own readers would (use NeMo's `CachedEagle3Dataset` for NeMo training).
+Hidden states stored in fp8 (`--aux-dtype fp8`) are dequantised on read (`store/fp8.py`) to the
+target's dtype, or to `aux_dtype` when given (which also casts non-fp8 ones); their scale
+fields are dropped. `raw(i)` returns the stored tensors as they are.
 
 Opening checks the manifest (format, version, completeness) and each file's size and
 safetensors-header hash; `verify="full"` re-hashes every byte (slow on big datasets).
@@ -28,16 +35,25 @@ from torch.utils.data import Dataset
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import SamplePlan
 from eagle_fast.store import make_layout, spec_from_manifest
+from eagle_fast.store.fp8 import dequantize_sample
 from eagle_fast.store.manifest import check_file_cheap, check_file_full, iter_files, read_manifest
 from eagle_fast.store.safetensors import open_safetensors as _safe_open
+from eagle_fast.supervision import TAIL_MODES, dense_target_p
 
 
 class Eagle3Dataset(Dataset):
     """Samples of an eagle-fast dataset directory (see module doc)."""
 
-    def __init__(self, directory: str | os.PathLike, verify: str = "cheap", allow_incomplete: bool = False):
+    def __init__(self, directory: str | os.PathLike, verify: str = "cheap", allow_incomplete: bool = False,
+                 aux_dtype: torch.dtype | None = None, target_p: str | None = None):
         if verify not in ("cheap", "full", "none"):
             raise ValueError(f"verify must be 'cheap', 'full' or 'none', got {verify!r}")
+        if aux_dtype is not None and not (isinstance(aux_dtype, torch.dtype) and aux_dtype.is_floating_point):
+            raise ValueError(f"aux_dtype must be a floating-point torch.dtype, got {aux_dtype!r}")
+        self.aux_dtype = aux_dtype
+        if target_p is not None and target_p not in TAIL_MODES:
+            raise ValueError(f"target_p must be None or one of {TAIL_MODES}, got {target_p!r}")
+        self.target_p_mode = target_p
         self.root = Path(directory)
         self.manifest = m = read_manifest(self.root)
         if not m.get("complete") and not allow_incomplete:
@@ -98,7 +114,33 @@ class Eagle3Dataset(Dataset):
         return self.layout.read_sample(self.root, rec, local, self._h())
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.raw(index)
+        """`raw(index)` with hidden states in `aux_dtype` (default: the target's), fp8 dequantised,
+        plus `target_p` [T, Vd] when the dataset was opened with `target_p=MODE`."""
+        sample = self.raw(index)
+        if not (self.spec.aux_dtype == "auto" and self.aux_dtype is None):
+            sample = dequantize_sample(sample, self.aux_dtype or self.spec.dtype)
+        if self.target_p_mode is not None:
+            sample["target_p"] = self._target_p(sample, self.target_p_mode)
+        return sample
+
+    def target_p(self, index: int, tail: str = "spread") -> torch.Tensor:
+        """EAGLE-3's target distribution over the draft vocabulary, fp32 [T, Vd], unshifted.
+
+        --supervision draft: exp(draft_logprobs). draft-topk: rebuilt from the sparse fields
+        (`supervision.dense_target_p`): the tail mass spread evenly over the other draft ids
+        ("spread"), left out ("drop": rows sum to 1 - tail) or left out with the top-k scaled
+        to sum to 1 ("renormalize")."""
+        return self._target_p(self.raw(index), tail)
+
+    def _target_p(self, sample: dict[str, torch.Tensor], tail: str) -> torch.Tensor:
+        if "draft_logprobs" in sample:
+            return sample["draft_logprobs"].float().exp()
+        if "draft_topk_ids" in sample:
+            return dense_target_p(sample["draft_topk_ids"], sample["draft_topk_logprobs"],
+                                  sample["draft_topk_tail"], self.spec.draft_size, tail)
+        raise UserError(f"{self.root} stores --supervision {self.spec.kind} ({self.layout.name} "
+                        "format), which has no draft distribution",
+                        "extract with --supervision draft or draft-topk (and --draft-vocab)")
 
     def length(self, index: int) -> int:
         """Token count of sample `index` (unpadded)."""

@@ -8,10 +8,14 @@ Every layout turns one sample's canonical result (`input_ids`, `loss_mask`,
 
 native: shard-{g:06d}.safetensors; samples concatenated along tokens without padding,
 `offsets [n+1]` gives row ranges. Per token: input_ids int32, loss_mask bool,
-aux_hidden_states [T, 3H] (target dtype), then per supervision kind draft_logprobs [T, Vd] +
-argmax_in_draft | topk_ids int32 + topk_logprobs + topk_tail | logits [T, V] | hidden [T, H];
-every head kind also lse fp32 and argmax int32. Unshifted: row t is the target's output after
-tokens 0..t. Ids are int32 on disk and int64 when read.
+aux_hidden_states [T, 3H] (target dtype; or fp8 + aux_hidden_states_scale fp32 [T] with
+--aux-dtype fp8, see store/fp8.py), then per supervision kind draft_logprobs [T, Vd] +
+argmax_in_draft | draft_topk_ids [T, k] (indices into the draft vocabulary, in the smallest
+integer type holding them) + draft_topk_logprobs (over the draft vocabulary) + draft_topk_tail
+fp32 + argmax_in_draft | topk_ids int32 + topk_logprobs + topk_tail | logits [T, V] |
+hidden [T, H]; every head kind also argmax int32, and all but draft-topk lse fp32. Unshifted: row t is the target's output after
+tokens 0..t. Ids are int32 on disk and int64 when read. `hidden` takes --aux-dtype fp8 too
+(its own per-token scale, hidden_scale).
 """
 
 from __future__ import annotations
@@ -24,11 +28,12 @@ import torch
 from eagle_fast.dtypes import long_name
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import SamplePlan, ShardPlan
+from eagle_fast.store.fp8 import FP8, SCALE_NAMES, quantize, stored_dtype
 from eagle_fast.store.manifest import file_record
 from eagle_fast.store.safetensors import SafetensorsWriter, open_safetensors
 
 LAYOUTS = ("native", "nemo", "speculators")
-KINDS = ("draft", "topk", "lse", "logits", "hidden")
+KINDS = ("draft", "draft-topk", "topk", "lse", "logits", "hidden")
 
 
 # --------------------------------------------------------------------------- layouts
@@ -39,8 +44,8 @@ class LayoutSpec:
     """Everything a layout needs to size and encode tensors."""
 
     layout: str
-    kind: str                 # draft | topk | lse | logits | hidden
-    k: int                    # top-k width (topk kind), else 0
+    kind: str                 # draft | draft-topk | topk | lse | logits | hidden
+    k: int                    # top-k width (topk, draft-topk kinds), else 0
     hidden_size: int          # H
     num_aux: int              # aux layers (3)
     vocab_size: int           # V
@@ -49,18 +54,23 @@ class LayoutSpec:
     out_dtype: torch.dtype    # stored supervision float dtype (native)
     max_len: int              # nemo: seq_length every field is padded to
     pad_token_id: int = 0
+    aux_dtype: str = "auto"   # stored hidden states: auto (= dtype) | fp8 (store/fp8.py)
 
 
 HEAD_FIELDS = {
     "draft": ("draft_logprobs", "argmax_in_draft", "lse", "argmax"),
+    "draft-topk": ("draft_topk_ids", "draft_topk_logprobs", "draft_topk_tail", "argmax_in_draft",
+                   "argmax"),
     "topk": ("topk_ids", "topk_logprobs", "topk_tail", "lse", "argmax"),
     "lse": ("lse", "argmax"),
     "logits": ("logits", "lse", "argmax"),
     "hidden": (),
 }
 # What the head computes for each kind: exactly what HEAD_FIELDS stores ("draft" and "logits"
-# name "lse" because this layout keeps it; top-k computes it anyway).
-HEAD_OUTPUTS = {"draft": ("draft", "lse"), "topk": ("topk", "lse"), "lse": ("lse",),
+# name "lse" because this layout keeps it; top-k computes it anyway; the sparse draft target
+# stores no lse, so its head call skips the full-vocabulary exp).
+HEAD_OUTPUTS = {"draft": ("draft", "lse"), "draft-topk": ("draft_topk",), "topk": ("topk", "lse"),
+                "lse": ("lse",),
                 "logits": ("logits", "lse")}
 
 
@@ -143,7 +153,14 @@ def shard_file_name(index: int) -> str:
 
 # ------------------------------------------------------------------------------ native
 
-_INT_ON_DISK = ("input_ids", "argmax", "topk_ids")
+_INT_ON_DISK = ("input_ids", "argmax", "topk_ids", "draft_topk_ids")
+
+
+def draft_index_dtype(draft_size: int) -> torch.dtype:
+    """The smallest integer dtype that holds indices 0..draft_size-1 (uint8, int16 or int32)."""
+    if draft_size <= 1 << 8:
+        return torch.uint8
+    return torch.int16 if draft_size <= 1 << 15 else torch.int32
 
 
 class NativeLayout(Layout):
@@ -164,14 +181,24 @@ class NativeLayout(Layout):
         out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             "input_ids": (torch.int32, ()),
             "loss_mask": (torch.bool, ()),
-            "aux_hidden_states": (s.dtype, (s.num_aux * s.hidden_size,)),
+            "aux_hidden_states": (stored_dtype(s.aux_dtype, s.dtype), (s.num_aux * s.hidden_size,)),
         }
+        if s.aux_dtype == "fp8":
+            out["aux_hidden_states_scale"] = (torch.float32, ())
         if s.kind == "hidden":
-            out["hidden"] = (s.dtype, (s.hidden_size,))
+            out["hidden"] = (stored_dtype(s.aux_dtype, s.dtype), (s.hidden_size,))
+            if s.aux_dtype == "fp8":
+                out["hidden_scale"] = (torch.float32, ())
             return out
-        out["lse"] = (torch.float32, ())
+        if s.kind != "draft-topk":
+            out["lse"] = (torch.float32, ())
         out["argmax"] = (torch.int32, ())
-        if s.kind == "draft":
+        if s.kind == "draft-topk":
+            out["draft_topk_ids"] = (draft_index_dtype(s.draft_size), (s.k,))
+            out["draft_topk_logprobs"] = (s.out_dtype, (s.k,))
+            out["draft_topk_tail"] = (torch.float32, ())
+            out["argmax_in_draft"] = (torch.bool, ())
+        elif s.kind == "draft":
             out["draft_logprobs"] = (s.out_dtype, (s.draft_size,))
             out["argmax_in_draft"] = (torch.bool, ())
         elif s.kind == "topk":
@@ -192,8 +219,13 @@ class NativeLayout(Layout):
     def encode(self, sample, result):
         out = {}
         for name, (dtype, _) in self._token_fields().items():
+            if name in out:  # a scale, made with its fp8 values
+                continue
             t = result[name]
-            out[name] = t.to(torch.int64) if name in _INT_ON_DISK else t.to(dtype)
+            if dtype == FP8:  # quantise what --aux-dtype auto would store
+                out[name], out[SCALE_NAMES[name]] = quantize(t.to(self.spec.dtype))
+            else:
+                out[name] = t.to(torch.int64) if name in _INT_ON_DISK else t.to(dtype)
         return out
 
     def shard_paths(self, shard):
@@ -214,6 +246,12 @@ class NativeLayout(Layout):
         return out
 
 
+def native_index_fields(n: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Field -> (dtype, shape) of a native shard's per-sample index fields, for `n` samples."""
+    return {"offsets": (torch.int64, (n + 1,)), "sample_index": (torch.int64, (n,)),
+            "source_line": (torch.int64, (n,))}
+
+
 class _NativeSink(ShardSink):
     def __init__(self, layout: NativeLayout, root: Path, shard: ShardPlan):
         super().__init__(root)
@@ -223,12 +261,7 @@ class _NativeSink(ShardSink):
             offsets.append(offsets[-1] + n)
         self.offsets = offsets
         total = offsets[-1]
-        n = len(shard.samples)
-        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-            "offsets": (torch.int64, (n + 1,)),
-            "sample_index": (torch.int64, (n,)),
-            "source_line": (torch.int64, (n,)),
-        }
+        specs = native_index_fields(len(shard.samples))
         self.fields = layout._token_fields()
         for name, (dtype, trailing) in self.fields.items():
             specs[name] = (dtype, (total, *trailing))

@@ -2,7 +2,10 @@
 
 hidden_states/hs_{i}.safetensors per sample: hidden_states [T, 4, H] (the three aux layers in
 ascending order, then the final pre-norm hidden state, as vLLM's extract_hidden_states writes
-them) and token_ids int64 [T], plus our loss_mask bool [T]. When `datasets` is importable the
+them) and token_ids int64 [T], plus our loss_mask bool [T]. With --aux-dtype fp8 it is
+hs_connectors 0.9.0's FP8 layout (what its FP8HiddenStatesConnector writes and FP8Transfer
+reads): hidden_states float8_e4m3fn [T, 4, H] + hidden_states_scales fp32 [T, 1, 1], one
+scale per token over all four slots. When `datasets` is importable the
 finished directory also holds the Arrow table (input_ids, loss_mask, seq_len) that
 speculators' ArrowDataset loads from the same path.
 """
@@ -20,6 +23,7 @@ from safetensors.torch import load_file
 from eagle_fast.dtypes import long_name
 from eagle_fast.files import fsync_dir
 from eagle_fast.inputs import ShardPlan
+from eagle_fast.store.fp8 import quantize, stored_dtype
 from eagle_fast.store.layouts import Layout, ShardSink
 from eagle_fast.store.manifest import file_record
 from eagle_fast.store.safetensors import write_safetensors
@@ -39,22 +43,30 @@ class SpeculatorsLayout(Layout):
 
     def fields(self):
         s = self.spec
-        return {
-            "hidden_states": {"dtype": long_name(s.dtype), "shape": ["T", s.num_aux + 1, s.hidden_size]},
+        out = {
+            "hidden_states": {"dtype": long_name(stored_dtype(s.aux_dtype, s.dtype)),
+                              "shape": ["T", s.num_aux + 1, s.hidden_size]},
             "token_ids": {"dtype": "int64", "shape": ["T"]},
             "loss_mask": {"dtype": "bool", "shape": ["T"]},
         }
+        if s.aux_dtype == "fp8":
+            out["hidden_states_scales"] = {"dtype": "float32", "shape": ["T", 1, 1]}
+        return out
 
     def encode(self, sample, result):
         s = self.spec
         T = sample.length
         aux = result["aux_hidden_states"].to(s.dtype).reshape(T, s.num_aux, s.hidden_size)
         final = result["hidden"].to(s.dtype).reshape(T, 1, s.hidden_size)
-        return {
+        out = {
             "hidden_states": torch.cat([aux, final], dim=1).contiguous(),
             "token_ids": result["input_ids"].to(torch.int64),
             "loss_mask": result["loss_mask"].to(torch.bool),
         }
+        if s.aux_dtype == "fp8":
+            q, scale = quantize(out["hidden_states"])
+            out["hidden_states"], out["hidden_states_scales"] = q, scale.reshape(T, 1, 1)
+        return out
 
     @classmethod
     def sample_path(cls, index: int) -> str:
