@@ -36,7 +36,6 @@ import importlib.util
 import math
 import numbers
 from collections.abc import Iterable
-from dataclasses import replace
 
 import torch
 
@@ -257,28 +256,6 @@ def _triton_impl():
     return lm_head_triton
 
 
-def _draft_topk_by_parts(req: HeadRequest, impl) -> HeadOutput:
-    """"draft_topk" on an implementation without that mode (the Triton kernel): its "topk" over
-    the draft rows of the weight, which is the draft top-k normalised over the draft vocabulary,
-    plus one call over the whole vocabulary for argmax (and lse, "draft" when asked). That
-    streams the draft rows twice and gathers them per call; the PyTorch path does it in one
-    pass."""
-    draft_w = req.weight.index_select(0, req.draft_ids)
-    sub = replace(req, weight=draft_w, outputs=frozenset({"topk"}), draft_ids=None)
-    part = impl(sub)
-    rest = req.outputs - {"draft_topk"}
-    full = impl(replace(req, outputs=rest | {"argmax"}, k=0,
-                        draft_ids=req.draft_ids if "draft" in rest else None))
-    full.draft_topk_ids = part.topk_ids
-    full.draft_topk_logprobs = part.topk_logprobs
-    full.draft_topk_tail = part.topk_tail
-    if full.argmax_in_draft is None:
-        ids, arg = req.draft_ids, full.argmax
-        pos = torch.searchsorted(ids, arg).clamp_max(ids.numel() - 1)
-        full.argmax_in_draft = ids[pos] == arg
-    return full
-
-
 @torch.no_grad()
 def lm_head(
     hidden: torch.Tensor,
@@ -351,8 +328,6 @@ def lm_head(
     )
     if req.n_rows == 0:
         out = empty_output(req)
-    elif impl == "triton" and req.wants("draft_topk"):
-        out = _draft_topk_by_parts(req, _triton_impl())
     elif impl == "triton":
         out = _triton_impl()(req)
     else:

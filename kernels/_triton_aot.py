@@ -54,9 +54,11 @@ def fwd_signature(variant: Variant) -> dict:
 def aot_variants() -> list[tuple[str, Variant]]:
     """The variants tests/test_lm_head_aot.py compiles for sm_90: all 32 output-mode
     combinations for bf16 weights (both block configs), the 8 without top-k / logprobs again
-    with the argmax-only epilogue (`lse=False`), plus fp16 / fp32 weights, other logits dtypes
-    and a ragged H. Named for test ids."""
+    with the argmax-only epilogue (`lse=False`), the 8 draft top-k ones (with / without lse,
+    draft, softcap), plus fp16 / fp32 weights, other logits dtypes and a ragged H. Every
+    top-k variant comes with its exact re-run. Named for test ids."""
     everything = {"logits": True, "logprobs": True, "topk": True, "draft": True, "softcap": True}
+    dtopk = {"draft_topk": True, "draft": True, "softcap": True}  # the heaviest draft top-k
     out = []
     for logits, logprobs, topk, draft, softcap in itertools.product((False, True), repeat=5):
         v = Variant(out="bf16" if logits else "fp32", logits=logits, logprobs=logprobs,
@@ -68,6 +70,11 @@ def aot_variants() -> list[tuple[str, Variant]]:
         if not (topk or logprobs):  # the argmax-only epilogue (no lse): the draft fast path
             name = "bf16-" + "-".join([*flags, "argmax"]) if flags else "bf16-argmax"
             out.append((name + "-nolse", replace(v, lse=False)))
+    for draft, softcap, lse in itertools.product((False, True), repeat=3):
+        v = Variant(draft_topk=True, draft=draft, softcap=softcap, lse=lse)
+        flags = [n for n in ("draft", "softcap", "lse") if getattr(v, n)]
+        name = "-".join(["bf16-draft_topk", *flags])
+        out += [(name, v), (name + "-rerun", replace(v, tile_list=True))]
     out += [
         ("bf16-logits-fp32", Variant(logits=True, out="fp32")),
         ("bf16-ragged-h", Variant(even_h=False)),
@@ -76,9 +83,15 @@ def aot_variants() -> list[tuple[str, Variant]]:
         ("fp16-topk-draft", Variant(weight="fp16", topk=True, draft=True)),
         ("fp16-topk-rerun", Variant(weight="fp16", topk=True, tile_list=True)),
         ("fp16-draft-argmax-nolse", Variant(weight="fp16", draft=True, lse=False)),
+        ("fp16-draft_topk", Variant(weight="fp16", draft_topk=True, lse=False)),
+        ("fp16-draft_topk-rerun", Variant(weight="fp16", draft_topk=True, lse=False,
+                                          tile_list=True)),
         ("fp32-lse-argmax", Variant(weight="fp32")),
         ("fp32-everything", Variant(weight="fp32", **everything)),
         ("fp32-everything-rerun", Variant(weight="fp32", **everything, tile_list=True)),
+        ("fp32-draft_topk-draft-softcap-lse", Variant(weight="fp32", **dtopk)),
+        ("fp32-draft_topk-draft-softcap-lse-rerun",
+         Variant(weight="fp32", **dtopk, tile_list=True)),
     ]
     return out
 

@@ -41,14 +41,16 @@ class Variant:
     logprobs: bool = False
     topk: bool = False
     draft: bool = False
+    # the top-k over the draft columns ("draft_topk"; never with topk / logits / logprobs)
+    draft_topk: bool = False
     softcap: bool = False
     # the full-vocabulary sum exp (lse); False for outputs that need only maxima and the draft
-    # columns' own statistics ("draft" / "argmax"): the argmax-only epilogue. Top-k and
-    # logprobs always sum, whatever this says.
+    # columns' own statistics ("draft" / "argmax" / "draft_topk"): the argmax-only epilogue.
+    # Top-k and logprobs always sum, whatever this says.
     lse: bool = True
     even_h: bool = True
     # the exact top-k re-run of a first pass with these flags: same tiles (config), listed
-    # vocab tiles only, no logits / logprobs / draft stores
+    # vocab tiles only, no logits / logprobs / draft stores (nor, for draft_topk, lse sums)
     tile_list: bool = False
 
 
@@ -79,17 +81,22 @@ def default_config(variant: Variant, n_rows: int, V: int, H: int, interpret: boo
     # bf16 / fp16. The big tile, 128x256 on two warpgroups (wgmma m64n256k16 each, 128 fp32
     # accumulator registers per thread), has the best GEMM efficiency; 3 stages of
     # (128+256)x64x2 B = 144 KB shared memory. Its epilogue must fit in the other ~127
-    # registers, which holds for lse/argmax alone or with softcap, top-k, top-k+softcap or
-    # draft: 0 B spilled (ptxas 13 / triton 3.9). Heavier epilogues (an [N, V] logits or
-    # logprobs store, draft with top-k or softcap) spill 8 B-3.4 KB there and still up to
-    # 200 B at 128x128 on 8 warps; they get 128x128 on 16 warps (4 warpgroups of m64n64,
+    # registers, which holds for lse/argmax alone or with softcap, top-k, top-k+softcap,
+    # draft or the draft top-k: 0 B spilled (ptxas 13 / triton 3.9). Heavier epilogues (an
+    # [N, V] logits or logprobs store, draft with top-k, draft top-k or softcap, the draft
+    # top-k with softcap) spill 8 B-3.4 KB there and still up to 200 B at 128x128 on 8
+    # warps; they get 128x128 on 16 warps (4 warpgroups of m64n64,
     # 32 accumulator registers per thread): 0 B spilled, 4 stages = 128 KB. Those modes
     # are not the fast paths (they materialise [N, V] or stack two reductions).
     # tests/test_lm_head_aot.py asserts these numbers for every variant it compiles.
     # BLOCK_H=64: 128-byte rows, full swizzle. GROUP_SIZE=8: 8 row blocks (8 MB of y at
     # H=4096) stay in L2 while the weight streams past them.
+    two_reductions = variant.topk or variant.draft_topk
     heavy = (
-        variant.logits or variant.logprobs or (variant.draft and (variant.topk or variant.softcap))
+        variant.logits
+        or variant.logprobs
+        or (variant.draft and (two_reductions or variant.softcap))
+        or (variant.draft_topk and variant.softcap)
     )
     if heavy:
         return Config(128, 128, 64, 8, num_warps=16, num_stages=4)
@@ -118,8 +125,11 @@ def fwd_constexprs(variant: Variant, cfg: Config, interpret: bool) -> dict:
         "HAS_LOGPROBS": variant.logprobs and not variant.tile_list,
         "HAS_TOPK": variant.topk,
         "HAS_DRAFT": variant.draft and not variant.tile_list,
+        "DRAFT_TOPK": variant.draft_topk,
         "HAS_SOFTCAP": variant.softcap,
-        "HAS_LSE": variant.lse or variant.topk or variant.logprobs,
+        # a draft top-k re-run needs only the draft columns' statistics
+        "HAS_LSE": (variant.lse and not (variant.draft_topk and variant.tile_list))
+        or variant.topk or variant.logprobs,
         "HAS_TILE_LIST": variant.tile_list,
         # fp32 weights: full fp32 products like the reference (tf32 would round operands
         # to 10 mantissa bits); the interpreter always computes in fp32

@@ -1,10 +1,13 @@
-"""Device helpers of the head's Triton kernels: tanh, round-to-nearest-even, top-k keys.
+"""Device helpers of the head's Triton kernels: tanh, rounding, top-k candidates, draft columns.
 
 Design: @triton.jit functions that the kernels in `lm_head_triton.py` inline. tanh goes
 through exp and the rounding through integer bit arithmetic, because the interpreter runs
 neither libdevice nor a rounding fp32 -> 16-bit cast. A top-k key packs (fp32 value, id)
 into one order-preserving int64, so "the k best (value, id) pairs" is a max over keys;
-`_triton_merge.unpack_keys` decodes them on the host.
+`_triton_merge.unpack_keys` decodes them on the host. `store_candidates` extracts a tile's
+best pairs by repeated max, for the full vocabulary (ids = target ids) and for the draft
+columns (ids = draft indices) alike; `draft_epilogue` is the kernel's step over a tile's
+draft columns.
 Limits: ids < 2^31 (31 bits of a key); `round_rne` is for the interpreter only.
 """
 
@@ -55,3 +58,46 @@ def pack_key(val, ids):
     ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - ids).to(tl.int64)
     return tl.where(val == float("-inf"), _KEY_NONE, key)
+
+
+@triton.jit
+def store_candidates(x, ids, best, best_id, c_ptrs, n_rounds, mask, id_base):
+    # Store the best n_rounds (value, id_base + id) of each row of x [BLOCK_N, BLOCK_V] as
+    # keys at c_ptrs + r, ties to the lower id, and return x with them set to -inf (so a sum
+    # over the rest is the mass outside the candidates). ids [BLOCK_V] rise along the tile
+    # over the columns that can be picked; best / best_id are round 0's, which the caller
+    # has. Rounds past the tile's finite values store KEY_NONE.
+    for r in range(n_rounds):
+        if r > 0:
+            best = tl.max(x, axis=1)
+            best_id = tl.min(tl.where(x == best[:, None], ids[None, :], 0x7FFFFFFF), axis=1)
+        tl.store(c_ptrs + r, pack_key(best, id_base + best_id), mask=mask)
+        x = tl.where(ids[None, :] == best_id[:, None], float("-inf"), x)
+    return x
+
+
+@triton.jit
+def draft_epilogue(
+    logits, cols, col_mask, rows64, row_mask, p_off, c_ptrs, n_rounds,
+    T2D_ptr, Draft_ptr, PartDM_ptr, PartDS_ptr, stride_dm,
+    HAS_DRAFT: tl.constexpr, DRAFT_TOPK: tl.constexpr,
+):  # fmt: skip
+    # The draft columns of a tile (T2D: target id -> draft column, -1 if none): raw logits
+    # scattered to Draft (HAS_DRAFT), the tile's max over them and their sum exp. DRAFT_TOPK
+    # first stores their best n_rounds as candidate keys with draft indices for ids (rising
+    # along the tile, as draft ids are sorted), so the sum covers the other draft columns.
+    dcol = tl.load(T2D_ptr + cols, mask=col_mask, other=-1)
+    is_draft = dcol >= 0
+    if HAS_DRAFT:
+        d_ptrs = Draft_ptr + rows64[:, None] * stride_dm + dcol[None, :]
+        tl.store(d_ptrs, logits, mask=row_mask[:, None] & is_draft[None, :])
+    dl = tl.where(is_draft[None, :], logits, float("-inf"))
+    dm = tl.max(dl, axis=1)
+    dm_safe = tl.where(dm == float("-inf"), 0.0, dm)  # no draft column: sum 0, not NaN
+    tl.store(PartDM_ptr + p_off, dm, mask=row_mask)
+    if DRAFT_TOPK:
+        dids = tl.where(is_draft, dcol, 0x7FFFFFFF)
+        d_best = tl.min(tl.where(dl == dm[:, None], dids[None, :], 0x7FFFFFFF), axis=1)
+        dl = store_candidates(dl, dids, dm, d_best, c_ptrs, n_rounds, row_mask, 0)
+    ds = tl.sum(tl.exp(dl - dm_safe[:, None]), axis=1)
+    tl.store(PartDS_ptr + p_off, ds, mask=row_mask)

@@ -1,11 +1,12 @@
 """Host side of the Triton head: per-tile scratch and the merges that reduce it per row.
 
 Design: `_lm_head_fwd_kernel` leaves, per (row, vocab tile), a max, a sum of exp and an
-argmax, top-k candidates as int64 keys (`_triton_jit.pack_key`) and draft statistics, in a
-`Scratch`. Torch merges them: lse by logaddexp over tiles, top-k by torch.topk over the keys,
-and the mass outside the top-k summed directly from the non-selected terms, never as
-1 - sum(top-k). `saturated_tiles` finds the tiles whose candidates may hide more of a row's
-top-k (the launcher re-runs those).
+argmax, top-k candidates as int64 keys (`_triton_jit.pack_key`; target ids, or draft indices
+for the draft top-k) and draft statistics, in a `Scratch`. Torch merges them: lse by
+logaddexp over tiles, top-k by torch.topk over the keys, and the mass outside the top-k
+summed directly from the non-selected terms, never as 1 - sum(top-k). The same merge serves the draft top-k on the draft columns' statistics.
+`candidate_rounds` sizes the candidates per tile, `saturated_tiles` finds the tiles whose
+candidates may hide more of a row's top-k (the launcher re-runs those).
 Limits: statistics are merged in float64 on [rows, tiles] buffers; a candidate costs its 8 B
 key plus transients while merging (`Scratch.bytes_per_row`).
 """
@@ -26,9 +27,9 @@ class Scratch:
     part_m: torch.Tensor  # [R, T] fp32
     part_s: torch.Tensor  # [R, T] fp32
     part_arg: torch.Tensor  # [R, T] int32
-    cand: torch.Tensor  # [R, T, n_rounds] int64 (top-k) or a 1-element dummy
-    part_dm: torch.Tensor  # [R, T] fp32 (draft) or dummy
-    part_ds: torch.Tensor  # [R, T] fp32 (draft) or dummy
+    cand: torch.Tensor  # [R, T, n_rounds] int64 (top-k, draft top-k) or a 1-element dummy
+    part_dm: torch.Tensor  # [R, T] fp32 (draft, draft top-k) or dummy
+    part_ds: torch.Tensor  # [R, T] fp32 (draft, draft top-k) or dummy
 
     @staticmethod
     def alloc(rows: int, T: int, n_rounds: int, draft: bool, device) -> Scratch:
@@ -82,14 +83,43 @@ def merge_topk(part_m, part_s, keys, k: int):
     return top, outside / total, M.double() + torch.log(total)
 
 
-def saturated_tiles(cand, kth, V: int, block_v: int) -> torch.Tensor:
+def remerge_topk(keys, part_m, part_s, tiles, keys2, part_m2, part_s2, k: int):
+    """`merge_topk` after re-running vocab `tiles` [L]: the first pass's candidates keys
+    [F, T, n] and statistics part_m / part_s [F, T] (overwritten) take the re-run's keys2
+    [F, L, n2] and part_m2 / part_s2 [F, L] for those tiles."""
+    F = keys.shape[0]
+    keys[:, tiles, :] = KEY_NONE
+    part_m[:, tiles] = part_m2
+    part_s[:, tiles] = part_s2
+    keys = torch.cat([keys.reshape(F, -1), keys2.reshape(F, -1)], dim=1)
+    return merge_topk(part_m, part_s, keys, k)
+
+
+def tile_lengths(V: int, block_v: int, draft_ids: torch.Tensor | None, device) -> torch.Tensor:
+    """[T] int64: ids per vocab tile that can be top-k candidates, the tile's width, or with
+    `draft_ids` (a top-k over the draft columns) the draft ids it holds."""
+    T = -(-V // block_v)
+    if draft_ids is not None:
+        return torch.bincount(draft_ids // block_v, minlength=T)
+    return (V - torch.arange(T, device=device) * block_v).clamp_(max=block_v)
+
+
+def candidate_rounds(lens: torch.Tensor, k: int, first_pass: int, exact: bool) -> int:
+    """Top-k candidates per (row, tile) for tiles of `lens` ids: min(k, fullest tile) is
+    exact; a first pass keeps `first_pass` when that is fewer (unless the tiles could then
+    not hold k candidates between them)."""
+    fullest, capacity = torch.stack([lens.max(), lens.clamp(max=first_pass).sum()]).tolist()
+    full = min(k, fullest)
+    return full if exact or full <= first_pass or capacity < k else first_pass
+
+
+def saturated_tiles(cand, kth, lens) -> torch.Tensor:
     """[R, T] bool: tile t of row r had all its n candidates selected (key >= the k-th
-    selected key `kth` [R, 1]) and holds more than n ids, so it may hide further top-k
-    members. Tiles that are not saturated provably hide none."""
-    _, T, n = cand.shape
-    tile_len = torch.clamp(V - torch.arange(T, device=cand.device) * block_v, max=block_v)
+    selected key `kth` [R, 1]) and holds more than n candidate ids (`lens` [T]), so it may
+    hide further top-k members. Tiles that are not saturated provably hide none."""
+    n = cand.shape[2]
     last = cand[:, :, n - 1]
-    return (last >= kth) & (tile_len > n)[None, :] & (last != KEY_NONE)
+    return (last >= kth) & (lens > n)[None, :] & (last != KEY_NONE)
 
 
 def key_values(keys: torch.Tensor) -> torch.Tensor:

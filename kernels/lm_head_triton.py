@@ -1,8 +1,9 @@
 """The head op in Triton: RMSNorm prologue + LM-head GEMM fused with its vocabulary reductions.
 
 `lm_head_triton(req)` turns final pre-norm hidden states [N, H] into EAGLE-3 supervision
-(lse, argmax, top-k, draft-vocab log-probs, optionally logits / logprobs) with the semantics
-of `reference.lm_head_torch`, without materialising fp32 [N, V] logits unless asked for.
+(lse, argmax, top-k, draft-vocab log-probs, the sparse draft top-k, optionally logits /
+logprobs) with the semantics of `reference.lm_head_torch`, without materialising fp32 [N, V]
+logits unless asked for.
 
 Design
   1. The norm prologue (`_triton_norm`) writes y = norm(x) in the weight dtype, rounded as
@@ -12,16 +13,19 @@ Design
      order (GROUP_SIZE row blocks sweep the vocabulary together, so a weight tile is read
      from HBM once per group), fp32 accumulation, then an epilogue on the fp32 tile: scale,
      softcap, per-(row, tile) max / argmax (ties to the lower id), the sum exp only when
-     lse / logprobs / top-k need it (HAS_LSE; "draft" / "argmax" alone skip it), draft
-     statistics and raw draft logits, the tile's best `n_rounds` top-k candidates as int64
-     keys, and the logits / fp32 logprobs stores.
+     lse / logprobs / top-k need it (HAS_LSE; "draft" / "argmax" / "draft_topk" alone skip
+     it), draft statistics and raw draft logits (through a target -> draft map), the tile's
+     best `n_rounds` top-k candidates as int64 keys: over the whole tile (HAS_TOPK) or over
+     its draft columns with draft indices as ids (DRAFT_TOPK, whose draft sum then covers
+     the other draft columns only), and the logits / fp32 logprobs stores.
   3. Torch merges the per-tile partials (`_triton_merge`). A tile whose `n_rounds`
      candidates all made the top-k may hide more; the rows concerned re-run just those
-     tiles with min(k, BLOCK_V) candidates (`_Head._redo_topk`), so the top-k is exact.
-  Rows run in chunks that keep the scratch under `_SCRATCH_BYTES`. CPU tensors run the same
-  kernels in triton's interpreter (`_triton_interpret`); it multiplies bf16 bit patterns in
-  tl.dot and truncates fp32 -> 16-bit casts, so INTERPRET=True upcasts dot operands to fp32
-  and rounds to nearest-even before any 16-bit store.
+     tiles with all the candidates they can hold (`_Head._redo_topk`), so the top-k is exact.
+  So "draft_topk" is one pass over the vocabulary, with no [N, Vd] buffer unless "draft" is
+  asked for too. Rows run in chunks that keep the scratch under `_SCRATCH_BYTES`. CPU tensors
+  run the same kernels in triton's interpreter (`_triton_interpret`); it multiplies bf16 bit
+  patterns in tl.dot and truncates fp32 -> 16-bit casts, so INTERPRET=True upcasts dot
+  operands to fp32 and rounds to nearest-even before any 16-bit store.
 Limits: V < 2^31 (ids live in 31 bits of a key); fp32 weights use full-precision fp32 FMA
 ("ieee", no tf32: the reference is full fp32), correct but far slower than bf16 on a GPU.
 Block sizes and EAGLE_FAST_AUTOTUNE=1: `_triton_config`; the sm_90 compile checks:
@@ -48,20 +52,27 @@ from ._triton_config import (
     next_pow2,
 )
 from ._triton_interpret import run_kernel
-from ._triton_jit import KEY_NONE, pack_key, round_rne, tanh
-from ._triton_merge import Scratch, merge_lse, merge_topk, saturated_tiles, unpack_keys
+from ._triton_jit import draft_epilogue, round_rne, store_candidates, tanh
+from ._triton_merge import (
+    Scratch,
+    candidate_rounds,
+    merge_lse,
+    merge_topk,
+    remerge_topk,
+    saturated_tiles,
+    tile_lengths,
+    unpack_keys,
+)
 from ._triton_norm import normalize_triton
 
-# Scratch budget per launch, besides the requested outputs and y [N, H]. With T vocab tiles:
-# partial stats, rows x T x 12 B (+8 B with draft); top-k candidates and their merge, rows x
-# T x n_rounds x 32 B (`Scratch.bytes_per_row`), plus min(k, BLOCK_V) per re-run tile for
-# the re-run's rows; with a 16-bit out_dtype, fp32 staging of logprobs (rows x V) and draft
-# logprobs (rows x Vd), so the final value is rounded once from fp32 like the reference.
-# Rows are processed in chunks that fit, one BLOCK_N row block at least; with out_dtype
-# fp32 the outputs are their own staging.
-# 256 MiB keeps the head's extra memory small next to an 8B model's weights and
-# activations while each launch still has thousands of tiles (N=8192, V=151,936: lse/argmax
-# and draft in one launch; top-64 in 5 row chunks of 1664 rows, 7722 tiles each).
+# Scratch budget per launch, besides the requested outputs and y [N, H]: per-tile stats and
+# top-k candidates (`Scratch.bytes_per_row`; a re-run adds its tiles' exact candidates) and,
+# with a 16-bit out_dtype, fp32 staging of logprobs (rows x V) and draft logprobs (rows x
+# Vd), so the final value is rounded once from fp32 like the reference. Rows go in chunks
+# that fit, one BLOCK_N row block at least. 256 MiB keeps the head's extra memory small
+# next to an 8B model's weights and activations while each launch still has thousands of
+# tiles (N=8192, V=151,936: lse/argmax and draft in one launch; top-64 in 5 row chunks of
+# 1664 rows, 7722 tiles each).
 _SCRATCH_BYTES = 256 << 20
 # Top-k candidates kept per (row, tile) in the first pass when k > this: enough that a row
 # needs recomputation only if 9 of its top-k share one 128-256 wide vocab tile, cheap enough
@@ -82,11 +93,11 @@ def _lm_head_fwd_kernel(
     PartM_ptr,  # [N, T] fp32 per-tile max
     PartS_ptr,  # [N, T] fp32 per-tile sum exp(l - max) (top-k: over non-candidates)
     PartArg_ptr,  # [N, T] int32 per-tile argmax (global id)
-    Cand_ptr,  # [N, T, n_rounds] int64 top-k candidate keys (HAS_TOPK)
-    T2D_ptr,  # [V] int32 draft column of each target id, -1 if none (HAS_DRAFT)
+    Cand_ptr,  # [N, T, n_rounds] int64 top-k candidate keys (HAS_TOPK | DRAFT_TOPK)
+    T2D_ptr,  # [V] int32 draft column of each target id, -1 if none (HAS_DRAFT | DRAFT_TOPK)
     Draft_ptr,  # [N, Vd] fp32 raw draft logits             (HAS_DRAFT)
-    PartDM_ptr,  # [N, T] fp32 per-tile max over draft columns (HAS_DRAFT)
-    PartDS_ptr,  # [N, T] fp32 per-tile draft sum exp       (HAS_DRAFT)
+    PartDM_ptr,  # [N, T] fp32 per-tile max over draft columns (HAS_DRAFT | DRAFT_TOPK)
+    PartDS_ptr,  # [N, T] fp32 per-tile draft sum exp (DRAFT_TOPK: over non-candidates)
     Tiles_ptr,  # [T] int32 vocab tiles to compute          (HAS_TILE_LIST)
     # sizes
     N,
@@ -115,6 +126,7 @@ def _lm_head_fwd_kernel(
     HAS_LOGPROBS: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_DRAFT: tl.constexpr,
+    DRAFT_TOPK: tl.constexpr,  # top-k candidates among the draft columns, ids = draft indices
     HAS_SOFTCAP: tl.constexpr,
     HAS_LSE: tl.constexpr,  # sum exp over the whole tile (lse); else maxima only
     HAS_TILE_LIST: tl.constexpr,  # top-k re-run on listed tiles only (position -> tile id)
@@ -193,34 +205,20 @@ def _lm_head_fwd_kernel(
         s = tl.sum(tl.exp(logits - m_safe[:, None]), axis=1)
         tl.store(PartS_ptr + p_off, s, mask=row_mask)
 
-    # ---- draft vocabulary: scatter raw logits, partial max / sum exp over draft columns
-    if HAS_DRAFT:
-        dcol = tl.load(T2D_ptr + cols, mask=col_mask, other=-1)
-        is_draft = dcol >= 0
-        d_ptrs = Draft_ptr + rows64[:, None] * stride_dm + dcol[None, :]
-        tl.store(d_ptrs, logits, mask=row_mask[:, None] & is_draft[None, :])
-        dl = tl.where(is_draft[None, :], logits, float("-inf"))
-        dm = tl.max(dl, axis=1)
-        dm_safe = tl.where(dm == float("-inf"), 0.0, dm)
-        ds = tl.sum(tl.exp(dl - dm_safe[:, None]), axis=1)
-        tl.store(PartDM_ptr + p_off, dm, mask=row_mask)
-        tl.store(PartDS_ptr + p_off, ds, mask=row_mask)
+    # ---- draft vocabulary: raw logits, max, sum exp and the draft top-k candidates
+    c_ptrs = Cand_ptr + rows64 * stride_cm + pid_v * n_rounds
+    if HAS_DRAFT or DRAFT_TOPK:
+        draft_epilogue(
+            logits, cols, col_mask, rows64, row_mask, p_off, c_ptrs, n_rounds,
+            T2D_ptr, Draft_ptr, PartDM_ptr, PartDS_ptr, stride_dm, HAS_DRAFT, DRAFT_TOPK,
+        )  # fmt: skip
 
     # ---- top-k candidates: the tile's best n_rounds (value, id) by max extraction; the
     # sum exp then covers only the rest of the tile, so the merge sums the mass outside
     # the top-k directly (no 1 - sum(top-k) cancellation)
     if HAS_TOPK:
-        c_ptrs = Cand_ptr + rows64 * stride_cm + pid_v * n_rounds
-        best = m
-        best_arg = arg
-        for r in range(n_rounds):
-            if r > 0:
-                best = tl.max(logits, axis=1)
-                best_arg = tl.min(
-                    tl.where(logits == best[:, None], local[None, :], BLOCK_V), axis=1
-                )
-            tl.store(c_ptrs + r, pack_key(best, tile * BLOCK_V + best_arg), mask=row_mask)
-            logits = tl.where(local[None, :] == best_arg[:, None], float("-inf"), logits)
+        base = tile * BLOCK_V
+        logits = store_candidates(logits, local, m, arg, c_ptrs, n_rounds, row_mask, base)
         s = tl.sum(tl.exp(logits - m_safe[:, None]), axis=1)
         tl.store(PartS_ptr + p_off, s, mask=row_mask)
 
@@ -232,10 +230,9 @@ def lm_head_triton(req: HeadRequest) -> HeadOutput:
     """Fused Triton head. `req` is validated and 2-D (see `_common.HeadRequest`).
 
     Returns argmax int64 [N], lse fp32 [N] when `req.needs_lse`, and whatever `req.outputs`
-    asks for, with the
-    reference's semantics (the module header has the algorithm, `_SCRATCH_BYTES` the scratch
-    bound). CUDA tensors run compiled kernels; CPU tensors run the same kernels in triton's
-    interpreter.
+    asks for, with the reference's semantics (the module header has the algorithm,
+    `_SCRATCH_BYTES` the scratch bound). CUDA tensors run compiled kernels; CPU tensors run
+    the same kernels in triton's interpreter.
     """
     hidden, weight = req.hidden, req.weight
     device = hidden.device
@@ -270,12 +267,14 @@ def lm_head_triton(req: HeadRequest) -> HeadOutput:
         out.logits = torch.empty((N, V), dtype=out_dtype, device=device)
     if req.wants("logprobs"):
         out.logprobs = torch.empty((N, V), dtype=out_dtype, device=device)
-    if req.wants("topk"):
-        out.topk_ids = torch.empty((N, req.k), dtype=torch.int64, device=device)
-        out.topk_logprobs = torch.empty((N, req.k), dtype=out_dtype, device=device)
-        out.topk_tail = torch.empty(N, **f32)
+    for top in ("topk", "draft_topk"):  # never both
+        if req.wants(top):
+            setattr(out, top + "_ids", torch.empty((N, req.k), dtype=torch.int64, device=device))
+            setattr(out, top + "_logprobs", torch.empty((N, req.k), dtype=out_dtype, device=device))
+            setattr(out, top + "_tail", torch.empty(N, **f32))
     if req.wants("draft"):
         out.draft_logprobs = torch.empty((N, req.draft_ids.numel()), dtype=out_dtype, device=device)
+    if req.wants("draft") or req.wants("draft_topk"):
         out.argmax_in_draft = torch.empty(N, dtype=torch.bool, device=device)
     if N == 0:
         return out
@@ -301,7 +300,8 @@ class _Head:
         self.N, self.H = req.hidden.shape
         self.V = req.weight.shape[0]
         self.device = req.hidden.device
-        self.k = req.k if req.wants("topk") else 0
+        draft_topk = req.wants("draft_topk")
+        self.k = req.k if req.wants("topk") or draft_topk else 0
         self.out_f32 = req.out_dtype == torch.float32
         self.variant = Variant(
             weight=TL_NAME[req.weight.dtype],
@@ -310,35 +310,46 @@ class _Head:
             logits=out.logits is not None,
             # fp32 logits requested too: logprobs come from them; otherwise fp32 staging
             logprobs=out.logprobs is not None and not (out.logits is not None and self.out_f32),
-            topk=self.k > 0,
+            topk=req.wants("topk"),
             draft=out.draft_logprobs is not None,
+            draft_topk=draft_topk,
             softcap=req.softcap is not None,
             lse=req.needs_lse,
         )
         self.cfg = default_config(self.variant, self.N, self.V, self.H, interpret)
-        self.Vd = req.draft_ids.numel() if self.variant.draft else 0
+        self.Vd = req.draft_ids.numel() if self.variant.draft else 0  # the dense draft buffer
         self.t2d = None
-        if self.variant.draft:  # target id -> draft column, -1 outside the draft vocabulary
-            self.t2d = torch.full((self.V,), -1, dtype=torch.int32, device=self.device)
-            self.t2d[req.draft_ids] = torch.arange(self.Vd, dtype=torch.int32, device=self.device)
+        if req.draft_ids is not None:  # target id -> draft column, -1 outside the draft vocabulary
+            i32 = {"dtype": torch.int32, "device": self.device}
+            self.t2d = torch.full((self.V,), -1, **i32)
+            self.t2d[req.draft_ids] = torch.arange(req.draft_ids.numel(), **i32)
+        self._lens: dict = {}
         self.y = None
 
     def _tiles(self, cfg: Config) -> int:
         return triton.cdiv(self.V, cfg.BLOCK_V)
 
+    def _tile_len(self, cfg: Config) -> torch.Tensor:
+        if cfg.BLOCK_V not in self._lens:
+            draft = self.req.draft_ids if self.variant.draft_topk else None
+            self._lens[cfg.BLOCK_V] = tile_lengths(self.V, cfg.BLOCK_V, draft, self.device)
+        return self._lens[cfg.BLOCK_V]
+
     def _rounds(self, cfg: Config, exact: bool) -> int:
-        """Top-k candidates per (row, tile): min(k, BLOCK_V) is exact; the first pass keeps
-        _TOPK_ROUNDS when k is larger (unless the tiles could not hold k candidates)."""
-        if not self.k:
-            return 0
-        full = min(self.k, cfg.BLOCK_V)
-        if exact or full <= _TOPK_ROUNDS or self._tiles(cfg) * _TOPK_ROUNDS < self.k:
-            return full
-        return _TOPK_ROUNDS
+        """Top-k candidates per (row, tile): all a tile can hold of the top-k when `exact`,
+        else _TOPK_ROUNDS when that is fewer (`candidate_rounds`)."""
+        return candidate_rounds(self._tile_len(cfg), self.k, _TOPK_ROUNDS, exact) if self.k else 0
 
     def _chunk_rows(self, cfg: Config, per_row: int) -> int:
         bn = cfg.BLOCK_N
         return min(self.N, max(bn, _SCRATCH_BYTES // max(1, per_row) // bn * bn))
+
+    def _topk_stats(self, scr: Scratch):
+        """The per-tile (max, sum exp outside the candidates) the top-k merge reads: the draft
+        columns' for draft_topk, the whole tile's for topk."""
+        if self.variant.draft_topk:
+            return scr.part_dm, scr.part_ds
+        return scr.part_m, scr.part_s
 
     # -- one launch of the fused kernel over the rows of y_rows
     def _launch(
@@ -376,7 +387,7 @@ class _Head:
             self.y = normalize_triton(self.req, self.interpret)
         rows, v, dev = min(self.N, 4096), self.variant, self.device
         n_rounds = self._rounds(cfg, exact=False)
-        scr = Scratch.alloc(rows, self._tiles(cfg), n_rounds, v.draft, dev)
+        scr = Scratch.alloc(rows, self._tiles(cfg), n_rounds, v.draft or v.draft_topk, dev)
         logits = (
             torch.empty((rows, self.V), dtype=self.req.out_dtype, device=dev) if v.logits else None
         )
@@ -391,22 +402,16 @@ class _Head:
             self.y = normalize_triton(req, self.interpret)
         T = self._tiles(cfg)
         n_rounds = self._rounds(cfg, exact=False)
+        exact = n_rounds == self._rounds(cfg, exact=True)
         stage_logprobs = v.logprobs and not self.out_f32
         stage_draft = v.draft and not self.out_f32
-        per_row = Scratch.bytes_per_row(T, n_rounds, v.draft)
+        per_row = Scratch.bytes_per_row(T, n_rounds, v.draft or v.draft_topk)
         per_row += 4 * V * stage_logprobs + 4 * self.Vd * stage_draft
         chunk = self._chunk_rows(cfg, per_row)
-        scr = Scratch.alloc(chunk, T, n_rounds, v.draft, self.device)
-        stage_buf = (
-            torch.empty((chunk, V), dtype=torch.float32, device=self.device)
-            if stage_logprobs
-            else None
-        )
-        draft_buf = (
-            torch.empty((chunk, self.Vd), dtype=torch.float32, device=self.device)
-            if stage_draft
-            else None
-        )
+        scr = Scratch.alloc(chunk, T, n_rounds, v.draft or v.draft_topk, self.device)
+        f32 = {"dtype": torch.float32, "device": self.device}
+        stage_buf = torch.empty((chunk, V), **f32) if stage_logprobs else None
+        draft_buf = torch.empty((chunk, self.Vd), **f32) if stage_draft else None
         for r0 in range(0, N, chunk):
             r1 = min(N, r0 + chunk)
             R = r1 - r0
@@ -422,16 +427,19 @@ class _Head:
             best_tile = torch.argmax(part_m, dim=1)  # first tile holding the max: lowest id
             amax = scr.part_arg[:R].gather(1, best_tile[:, None]).squeeze(1).long()
             out.argmax[r0:r1] = amax
-            if v.topk:
+            dlse = None
+            if self.k:  # topk: lse over the vocabulary; draft_topk: over the draft columns
                 cand = scr.cand[:R]
-                top, tail, lse = merge_topk(part_m, scr.part_s[:R], cand.reshape(R, -1), self.k)
-                if n_rounds < min(self.k, cfg.BLOCK_V):
-                    sat = saturated_tiles(cand, top[:, self.k - 1 :], V, cfg.BLOCK_V)
+                tm, ts = (t[:R] for t in self._topk_stats(scr))
+                top, tail, top_lse = merge_topk(tm, ts, cand.reshape(R, -1), self.k)
+                if not exact:
+                    sat = saturated_tiles(cand, top[:, self.k - 1 :], self._tile_len(cfg))
                     rows = sat.any(1).nonzero().squeeze(1)  # (a host sync per chunk)
                     if rows.numel():
                         self._redo_topk(r0, rows, sat[rows], scr, top, tail)
-                self._write_topk(slice(r0, r1), top, tail, lse)
-            elif out.lse is not None:
+                self._write_topk(slice(r0, r1), top, tail, top_lse)
+                lse, dlse = (None, top_lse) if v.draft_topk else (top_lse, None)
+            if out.lse is not None and not v.topk:
                 lse = merge_lse(part_m, scr.part_s[:R])
             if out.lse is not None:
                 out.lse[r0:r1] = lse
@@ -444,43 +452,47 @@ class _Head:
                 else:
                     out.logprobs[r0:r1] = stage.sub_(lse32)
             if v.draft:
-                dlse = merge_lse(scr.part_dm[:R], scr.part_ds[:R]).float()
+                if dlse is None:
+                    dlse = merge_lse(scr.part_dm[:R], scr.part_ds[:R])
                 if self.out_f32:
-                    draft.sub_(dlse[:, None])
+                    draft.sub_(dlse.float()[:, None])
                 else:
-                    out.draft_logprobs[r0:r1] = draft.sub_(dlse[:, None])
+                    out.draft_logprobs[r0:r1] = draft.sub_(dlse.float()[:, None])
+            if out.argmax_in_draft is not None:
                 out.argmax_in_draft[r0:r1] = self.t2d[amax] >= 0
 
     def _write_topk(self, rows, top, tail, lse64):
+        """topk_* (ids = target ids), or draft_topk_* (ids = draft indices, lse64 the draft
+        vocabulary's), from merged keys."""
         vals, ids = unpack_keys(top)
-        self.out.topk_ids[rows] = ids
-        self.out.topk_logprobs[rows] = (vals.double() - lse64[:, None]).to(self.req.out_dtype)
-        self.out.topk_tail[rows] = tail.clamp(0.0, 1.0).float()
+        prefix = "draft_topk" if self.variant.draft_topk else "topk"
+        getattr(self.out, prefix + "_ids")[rows] = ids
+        logprobs = (vals.double() - lse64[:, None]).to(self.req.out_dtype)
+        getattr(self.out, prefix + "_logprobs")[rows] = logprobs
+        getattr(self.out, prefix + "_tail")[rows] = tail.clamp(0.0, 1.0).float()
 
     def _redo_topk(self, r0, rows, sat, scr, top, tail):
         """Exact top-k for chunk-local `rows` (whose tiles `sat` [F, T] may hide more top-k
-        members): recompute just the union of their flagged vocab tiles with min(k, BLOCK_V)
-        candidates each, swap those tiles' candidates and sums in, and select again. The
-        other tiles were not saturated against a threshold that can only rise, so the result
-        is exact. lse stays the first pass's (logprobs / draft already used it). Updates
-        `top` and `tail` in place."""
+        members): recompute just the union of their flagged vocab tiles with the exact
+        number of candidates each (`_rounds`), swap those tiles' candidates and sums in,
+        and select again. The other tiles were not saturated against a threshold that can
+        only rise, so the result is exact. lse stays the first pass's (logprobs / draft
+        already used it). Updates `top` and `tail` in place."""
         cfg, T, k = self.cfg, self._tiles(self.cfg), self.k
         n_exact = self._rounds(cfg, exact=True)
         variant = replace(self.variant, tile_list=True)
         n_tiles = int(sat.any(0).sum())
-        per_row = Scratch.bytes_per_row(n_tiles, n_exact, False) + T * 33 * scr.cand.shape[2]
+        dstats = variant.draft_topk
+        per_row = Scratch.bytes_per_row(n_tiles, n_exact, dstats) + T * 33 * scr.cand.shape[2]
         chunk = min(rows.numel(), self._chunk_rows(cfg, per_row))
         for i0 in range(0, rows.numel(), chunk):
             idx, sat_i = rows[i0 : i0 + chunk], sat[i0 : i0 + chunk]
             F = idx.numel()
             tiles = sat_i.any(0).nonzero().squeeze(1)
-            scr2 = Scratch.alloc(F, tiles.numel(), n_exact, False, self.device)
+            scr2 = Scratch.alloc(F, tiles.numel(), n_exact, dstats, self.device)
             y_rows = self.y.index_select(0, idx + r0)
             self._launch(y_rows, cfg, variant, n_exact, scr2, tiles=tiles.to(torch.int32))
-            keys1 = scr.cand[idx]  # [F, T, n] first-pass candidates (a copy)
-            keys1[:, tiles, :] = KEY_NONE
-            keys = torch.cat([keys1.reshape(F, -1), scr2.cand[:F].reshape(F, -1)], dim=1)
-            part_m, part_s = scr.part_m[idx], scr.part_s[idx]
-            part_m[:, tiles] = scr2.part_m[:F]
-            part_s[:, tiles] = scr2.part_s[:F]
-            top[idx], tail[idx], _ = merge_topk(part_m, part_s, keys, k)
+            (m1, s1), (m2, s2) = self._topk_stats(scr), self._topk_stats(scr2)
+            first = (scr.cand[idx], m1[idx], s1[idx])  # copies (advanced indexing)
+            rerun = (scr2.cand[:F], m2[:F], s2[:F])
+            top[idx], tail[idx], _ = remerge_topk(*first, tiles, *rerun, k)

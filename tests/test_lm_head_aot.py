@@ -131,14 +131,18 @@ def test_norm_kernel_compiles_for_hopper(hopper, hidden, weight, norm_mode):
 def test_launcher_picks_only_compiled_variants(out_dtype):
     """Every request the launcher can get for a bf16 head at the benchmark shape maps to a
     variant and config this file compiles (the logits store dtype aside: bf16 for all
-    combinations, fp32 / fp16 once each). Meta tensors: nothing is computed."""
+    combinations, fp32 / fp16 once each), "draft_topk" with what it combines with included.
+    Meta tensors: nothing is computed."""
     N, H, V, k = 8192, 4096, 151_936, 64
     meta = {"device": "meta", "dtype": torch.bfloat16}
     compiled = set(VARIANTS.values())
-    for outputs in itertools.chain.from_iterable(
+    requests = list(itertools.chain.from_iterable(
         itertools.combinations(("logits", "logprobs", "topk", "draft"), r) for r in range(5)
-    ):
+    ))  # fmt: skip
+    requests += [("draft_topk",), ("draft_topk", "draft")]
+    for outputs in requests:
         for softcap, lse in itertools.product((None, 30.0), (True, False)):
+            wants_draft = bool({"draft", "draft_topk"} & set(outputs))
             req = HeadRequest(
                 hidden=torch.empty(N, H, **meta),
                 weight=torch.empty(V, H, **meta),
@@ -148,8 +152,8 @@ def test_launcher_picks_only_compiled_variants(out_dtype):
                 logit_scale=1.0,
                 softcap=softcap,
                 outputs=frozenset(outputs) | {"argmax"} | ({"lse"} if lse else set()),
-                k=k if "topk" in outputs else 0,
-                draft_ids=torch.arange(0, V, 5, device="meta") if "draft" in outputs else None,
+                k=k if {"topk", "draft_topk"} & set(outputs) else 0,
+                draft_ids=torch.arange(0, V, 5, device="meta") if wants_draft else None,
                 out_dtype=out_dtype,
             )
             out = HeadOutput(lse=None, argmax=None)
@@ -162,14 +166,15 @@ def test_launcher_picks_only_compiled_variants(out_dtype):
             assert key in compiled, f"{sorted(outputs)} softcap={softcap} lse={lse}: {v} not AOT-compiled"
             assert v.lse == (lse or bool({"topk", "logprobs"} & set(outputs)))
             assert head.cfg == cfgs.default_config(key, N, V, H, interpret=False)
-            if v.topk:  # the exact re-run of crowded tiles
+            assert v.draft_topk == ("draft_topk" in outputs) and v.topk == ("topk" in outputs)
+            if v.topk or v.draft_topk:  # the exact re-run of crowded tiles
                 assert replace(key, tile_list=True) in compiled, f"{v}: re-run not compiled"
 
 
 def test_variants_cover_every_output_mode():
     """The AOT list exercises each constexpr switch the launcher sets, on and off."""
     vs = list(VARIANTS.values())
-    for field in ("logits", "logprobs", "topk", "draft", "softcap", "tile_list", "lse"):
+    for field in ("logits", "logprobs", "topk", "draft", "draft_topk", "softcap", "tile_list", "lse"):
         assert {getattr(v, field) for v in vs} == {False, True}, field
     assert {v.weight for v in vs} == {"bf16", "fp16", "fp32"}
     assert {v.out for v in vs if v.logits} >= {"bf16", "fp32"}

@@ -276,6 +276,8 @@ def test_full_head_launch_restores_triton_language():
     hidden, weight, nw = torch.randn(5, 64), torch.randn(300, 64), torch.rand(64) + 0.5
     lm_head(hidden, weight, nw, outputs=("lse", "argmax", "topk", "draft"), k=3,
             draft_ids=torch.arange(0, 300, 7), impl="triton")  # fmt: skip
+    lm_head(hidden, weight, nw, outputs=("draft_topk", "draft"), k=3,
+            draft_ids=torch.arange(0, 300, 7), impl="triton")  # fmt: skip
     after = _language_snapshot()
     changed = sorted(key for key in before.keys() | after.keys() if after.get(key) is not before.get(key))
     assert not changed, f"triton.language left patched: {changed[:10]}"
