@@ -248,15 +248,25 @@ def pipeline_section(d: dict) -> list[str]:
            "shutdown are excluded (the pipeline's own figure is in the JSON as tokens_per_s_reported). Shares are "
            "of the engine loop; the writer is a separate thread, so shares may sum past 100 %."), ""]
     out += _targets_md(d.get("targets", []))
-    rows = []
+    rows, compact = [], []
     for r in d["records"]:
-        if r["status"] != "ok":
-            rows.append([r["engine"], "-", "-", "-", "-", "-", "-", "-", r["status"][:120]])
+        name = r["engine"] + (f" ({r['variant']})" if r.get("variant") else "")
+        if r.get("variant"):
+            compact.append([r["variant"], f"{r['tokens_per_s']:.0f}" if r["status"] == "ok" else "-",
+                            " / ".join(f"{x:.2f}" for x in r.get("loop_s_runs", [])) + " s",
+                            fmt_b(r.get("bytes_on_disk")), "ok" if r["status"] == "ok" else r["status"][:120]])
             continue
-        rows.append([r["engine"], f"{r['tokens_per_s']:.0f}", f"{r['loop_s']:.1f} s", f"{r['build_s']:.1f} s",
+        if r["status"] != "ok":
+            rows.append([name, "-", "-", "-", "-", "-", "-", "-", r["status"][:120]])
+            continue
+        rows.append([name, f"{r['tokens_per_s']:.0f}", f"{r['loop_s']:.1f} s", f"{r['build_s']:.1f} s",
                      f"{100 * r['head_share']:.0f}%", f"{100 * r['engine_share']:.0f}%",
                      f"{100 * r['read_share']:.0f}%", f"{100 * r['write_share']:.0f}%", "ok"])
     out += _table(["engine", "tokens/s", "loop", "build", "head", "engine (capture)", "read", "write", "status"], rows)
+    if compact:
+        out += ["", ("Compact storage options against bf16 draft (HF engine, one process, round-robin after a "
+                     "warm-up round; tokens/s from the fastest loop):"), ""]
+        out += _table(["option", "tokens/s", "loop times", "on disk", "status"], compact)
     return out
 
 
@@ -414,6 +424,41 @@ def cpu_ops_section(d: dict) -> list[str]:
     return out
 
 
+def storage_section(d: dict | None) -> list[str]:
+    """Bytes per token from shapes (storage_table.py, always) and the measured fidelity (bench_storage)."""
+    import storage_table
+
+    out = ["## Storage: bytes per token of every option, and what the compact ones lose", "",
+           "Computed from the layouts' declared fields (`python bench/storage_table.py`; by field: `--by-field`).", "",
+           storage_table.markdown(storage_table.table()), ""]
+    if d is None:
+        return out + ["Fidelity not measured yet: run `python bench/bench_storage.py`.", ""]
+    s = d["setup"]
+    out += [_env_line(d["environment"]), "",
+            (f"Fidelity (`bench/bench_storage.py`): {s['model']}, vocabulary {s['vocab_size']:,}, draft vocabulary "
+             f"{s['draft_size']}, {s['supervised_positions']:,} supervised positions of {s['data']}. Each option is "
+             "extracted (HF engine, fp32 target), read back through `Eagle3Dataset` and compared with the fp32 dense "
+             "draft distribution p of the same run: generalised KL(p || q) in nats with q = `target_p(i, \"spread\")`, "
+             f"top-1 agreement, draft mass the stored top-k keeps. {s['rule']}: k = {d['recommended_k']}."), ""]
+    out += _targets_md(d.get("targets", []))
+    rows = []
+    for name, r in d["records"].items():
+        q = r.get("qwen3_8b_bytes_per_token")
+        rows.append([name, f"{r['bytes_per_token']:.0f} B", f"{q / 1000:.1f} KB" if q else "-",
+                     f"{r['kl_mean']:.2e}" if "kl_mean" in r else "0 (reference)",
+                     f"{r['kl_p99']:.2e}" if "kl_p99" in r else "-",
+                     f"{100 * r['top1']:.2f} %" if "top1" in r else "-",
+                     f"{100 * r['mass_kept']:.2f} %" if "mass_kept" in r else "-"])
+    out += _table(["option", "bytes/token here", "at Qwen3-8B", "KL mean", "KL p99", "top-1", "mass kept"], rows)
+    aux = d["records"].get("fp8-draft-bf16", {}).get("aux")
+    if aux:
+        out += ["", (f"fp8 aux states vs bf16, over {aux['tokens']:,} tokens: relative error mean "
+                     f"{100 * aux['rel_err_vs_bf16_mean']:.2f} % (p99 {100 * aux['rel_err_vs_bf16_p99']:.2f} %), cosine "
+                     f"mean {aux['cosine_vs_bf16_mean']:.5f} (min {aux['cosine_vs_bf16_min']:.5f}); bf16 itself is "
+                     f"{100 * aux['bf16_rel_err_vs_fp32_mean']:.2f} % from fp32."), ""]
+    return out
+
+
 def build(results: Path = RESULTS, page: Path = PAGE) -> str:
     global _PAGE_DIR, _RESULTS_DIR
     _PAGE_DIR, _RESULTS_DIR = Path(page).resolve().parent, Path(results).resolve()
@@ -445,6 +490,7 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
         out += serve_section(json.loads(files["serve-cpu"].read_text()))
     if "ray-cpu" in files:
         out += ray_section(json.loads(files["ray-cpu"].read_text()))
+    out += storage_section(json.loads(files["storage-cpu"].read_text()) if "storage-cpu" in files else None)
     text = "\n".join(out).rstrip() + "\n"
     page.write_text(text)
     return text

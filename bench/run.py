@@ -2,7 +2,7 @@
 
 What it does
     1. pytest (in this process) over bench/bench_lm_head.py, bench_runner.py,
-       bench_pipeline.py, bench_cpu_ops.py, bench_serve.py and bench_ray.py, with pytest-benchmark driving the timed rounds. Each module writes its
+       bench_pipeline.py, bench_cpu_ops.py, bench_serve.py, bench_ray.py and bench_storage.py, with pytest-benchmark driving the timed rounds. Each module writes its
        own results JSON into bench/results/ (or --out) as it finishes.
     2. bench/report.py turns every JSON there into bench/RESULTS.md and the plots.
     3. Prints every PASS/FAIL line from the fresh JSONs and the wall time.
@@ -29,7 +29,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline": "bench_pipeline.py",
-           "cpu_ops": "bench_cpu_ops.py", "serve": "bench_serve.py", "ray": "bench_ray.py"}
+           "cpu_ops": "bench_cpu_ops.py", "serve": "bench_serve.py", "ray": "bench_ray.py",
+           "storage": "bench_storage.py"}
 
 
 def main(argv=None) -> int:

@@ -128,3 +128,13 @@ SMOKE = [
     HeadShape(name="smoke-a", model="smoke", hidden=64, vocab=1_031, n_tokens=8),
     HeadShape(name="smoke-b", model="smoke", hidden=64, vocab=4_099, n_tokens=8, norm="rms_one_plus"),
 ]
+
+# The storage table's targets (storage_table.py): a dataset's bytes per token depend on H and V
+# only. Llama-3.1-8B has Llama-3-8B's head; Llama-3.1-70B is listed here alone, since the head
+# sweep above has no 8192-wide case.
+STORAGE_MODELS: dict[str, HeadShape] = {
+    "Qwen3-8B": MODELS["qwen3-8b"],
+    "Llama-3.1-8B": replace(MODELS["llama-3-8b"], name="llama-3.1-8b", model="meta-llama/Llama-3.1-8B"),
+    "Llama-3.1-70B": HeadShape(name="llama-3.1-70b", model="meta-llama/Llama-3.1-70B", hidden=8192,
+                               vocab=128_256, n_tokens=N_TOKENS["cuda"]),
+}
