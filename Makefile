@@ -49,7 +49,8 @@ test-avx2: $(STAMP)
 	  $(BIN)/python -m pytest -q $(ISA_TESTS)
 
 # pytest-benchmark over bench/bench_*.py (head, runner, pipeline), then bench/RESULTS.md and the
-# plots from bench/results/*.json; see bench/README.md. About 14 minutes on 2 cores (845 s measured).
+# plots from bench/results/*.json; see bench/README.md. About 14 minutes on 2 cores (845 s measured)
+# before the storage benchmark and the compact-option runs joined it (about 4 minutes more).
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
 

@@ -15,7 +15,8 @@ Design
     A missed target does not fail the run (the page records it); a benchmark that errors does.
 
 Limits
-    `--only` picks modules; the CPU suite took 845 s on 2 cores (bench/README.md).
+    `--only` picks modules; the CPU suite took 845 s on 2 cores before `storage` and the compact-option
+    runs of `pipeline` joined it (about 4 minutes more; bench/README.md).
 """
 
 from __future__ import annotations
