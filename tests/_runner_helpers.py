@@ -37,11 +37,18 @@ def draft_vocab(vocab: int = 1031, size: int = 257, seed: int = 3) -> torch.Tens
     return torch.randperm(vocab, generator=g)[:size].sort().values
 
 
+DRAFT_TOPK_FIELDS = ("draft_topk_ids", "draft_topk_logprobs", "draft_topk_tail")
+
+
 def reference_supervision(
-    logits: torch.Tensor, mask: torch.Tensor, *, k: int, draft_ids: torch.Tensor
+    logits: torch.Tensor, mask: torch.Tensor, *, k: int, draft_ids: torch.Tensor,
+    draft_topk: bool = False,
 ) -> dict:
-    """Every head output of full logits `[B, S, V]` at the non-pad positions, in float64."""
-    return oracle_from_logits(logits[mask.bool()], k=k, draft_ids=draft_ids).as_dict()
+    """Every head output of full logits `[B, S, V]` at the non-pad positions, in float64: the
+    full-vocab top-k with k, or (`draft_topk`) the draft top-k instead, as one call asks for."""
+    out = oracle_from_logits(logits[mask.bool()], k=k, draft_ids=draft_ids).as_dict()
+    drop = ("topk_ids", "topk_logprobs", "topk_tail") if draft_topk else DRAFT_TOPK_FIELDS
+    return {name: t for name, t in out.items() if name not in drop}
 
 
 def check_supervision(

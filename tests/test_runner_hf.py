@@ -138,6 +138,14 @@ def test_supervision_equals_head_over_transformers_logits(runner):
         and fast.hidden is None
     )
     assert torch.equal(fast.argmax_in_draft, sup.argmax_in_draft)
+    # the sparse draft target, through the same path
+    sparse = runner.forward_eagle3_supervision(ids, mask, outputs=("draft_topk", "lse"), draft_ids=draft_ids,
+                                               k=5, out_dtype=torch.float32)
+    ref = reference_supervision(logits, mask, k=5, draft_ids=draft_ids, draft_topk=True)
+    ref = {f: ref[f] for f in ("draft_topk_ids", "draft_topk_logprobs", "draft_topk_tail", "argmax_in_draft",
+                               "argmax", "lse")}
+    check_supervision(sparse, ref, mask, atol=1e-5, rtol=1e-5, name="hf draft_topk supervision")
+    assert sparse.draft_logprobs is None and sparse.topk_ids is None
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
