@@ -180,6 +180,21 @@ def _random_model(spec: TinySpec):
     return model
 
 
+def _save_model(model, spec: TinySpec, out: Path) -> None:
+    """save_pretrained in `spec`'s dtype (safetensors), the config saying that dtype."""
+    dtype = getattr(torch, spec.torch_dtype)
+    model = model.to(dtype)
+    model.config.dtype = dtype
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Put a finished build at `out`, replacing whatever was there (same filesystem: a rename)."""
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
 def build_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec = TinySpec()) -> Path:
     """Write a random tiny checkpoint (config, safetensors, tokenizer) to `out_dir`, atomically.
 
@@ -197,15 +212,10 @@ def build_tiny_checkpoint(out_dir: str | os.PathLike, spec: TinySpec = TinySpec(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model = _random_model(spec)
-        dtype = getattr(torch, spec.torch_dtype)
-        model = model.to(dtype)
-        model.config.dtype = dtype
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        _save_model(model, spec, tmp)
         build_tokenizer(tmp, spec.tokenizer_vocab)
         (tmp / ".complete").write_text(json.dumps(asdict(spec), sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -383,18 +393,13 @@ def build_trained_tiny(out_dir: str | os.PathLike, spec: TinySpec = TRAINED_SPEC
         finally:
             torch.set_flush_denormal(False)
         after = peakedness(model, held)
-        dtype = getattr(torch, spec.torch_dtype)
-        model = model.to(dtype)
-        model.config.dtype = dtype
-        model.save_pretrained(str(tmp), safe_serialization=True)
+        _save_model(model, spec, tmp)
         report = {**key, "seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
                   "torch": torch.__version__, "losses": losses,
                   "held_out": {"random_init": before, "trained": after}}
         (tmp / TRAINING_REPORT).write_text(json.dumps(report, indent=1, sort_keys=True))
         (tmp / ".complete").write_text(json.dumps(key, sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
