@@ -78,6 +78,7 @@ MODES = {
     "draft32k": {"outputs": ("draft", "argmax")},
     "logits-bf16": {"outputs": ("logits",), "out_dtype": torch.bfloat16},
     "all": {"outputs": ("lse", "argmax", "topk", "draft"), "k": shapes.TOPK},
+    "draft-topk64": {"outputs": ("draft_topk",), "k": shapes.TOPK},
 }
 SWEEP_MODES = ("lse+argmax", "topk64", "draft32k", "logits-bf16")
 
@@ -197,6 +198,11 @@ def _from_full_logits(logits32: torch.Tensor, mode: str, inp: Inputs) -> dict:
         out["argmax"] = logits32.argmax(-1)
         out["argmax_in_draft"] = inp.draft_mask[out["argmax"]]
         out["draft_logprobs"] = torch.log_softmax(logits32.index_select(-1, inp.draft_ids), -1)
+    elif mode == "draft-topk64":
+        out["argmax"] = logits32.argmax(-1)
+        out["argmax_in_draft"] = inp.draft_mask[out["argmax"]]
+        draft = torch.log_softmax(logits32.index_select(-1, inp.draft_ids), -1)
+        out["draft_topk_logprobs"], out["draft_topk_ids"] = draft.topk(shapes.TOPK, -1)
     elif mode == "all":
         logprobs = torch.log_softmax(logits32, -1)
         out["lse"] = (logits32[:, :1] - logprobs[:, :1]).squeeze(1)
@@ -235,7 +241,7 @@ def make_providers(inp: Inputs, mode: str, names) -> dict:
         from eagle_fast.kernels import lm_head
 
         kw = dict(spec)
-        if "draft" in kw["outputs"]:
+        if {"draft", "draft_topk"} & set(kw["outputs"]):
             kw["draft_ids"] = inp.draft_ids
         norm = inp.shape.norm
 
@@ -274,7 +280,7 @@ def output_bytes(result) -> int:
 def summarize(name: str, result) -> dict:
     """What the cross-check and the memory report need of one output: small tensors only."""
     f = _fields(result)
-    keep = {k: f[k].detach().cpu() for k in ("argmax", "lse") if k in f}
+    keep = {k: f[k].detach().cpu() for k in ("argmax", "lse", "draft_topk_logprobs") if k in f}
     if "argmax" not in keep and "logits" in f:  # full logits (the floor's): their argmax
         keep["argmax"] = f["logits"].argmax(-1).cpu()
     keep["_output_bytes"] = output_bytes(result)
@@ -298,6 +304,9 @@ def cross_check(timings: dict, reference: str) -> dict:
             entry["argmax_agree"] = float((f["argmax"].cpu() == ref["argmax"].cpu()).float().mean())
         if "lse" in f and "lse" in ref:
             entry["lse_max_abs_diff"] = float((f["lse"].float().cpu() - ref["lse"].float().cpu()).abs().max())
+        if "draft_topk_logprobs" in f and "draft_topk_logprobs" in ref:
+            a, b = f["draft_topk_logprobs"].float().cpu(), ref["draft_topk_logprobs"].float().cpu()
+            entry["draft_topk_max_abs_diff"] = float((a - b).abs().max())
         if entry:
             report[name] = entry
     return report
@@ -524,7 +533,7 @@ def suite(device: str, smoke: bool = False) -> list[tuple[HeadShape, str]]:
         return [(s, m) for s in shapes.SMOKE for m in MODES]
     if device == "cuda":
         tshape, _ = shapes.TARGETS["cuda"]
-        cases = [(tshape, m) for m in (*SWEEP_MODES, "all")]
+        cases = [(tshape, m) for m in (*SWEEP_MODES, "all", "draft-topk64")]
         cases += [(s, m) for s in shapes.sweep("cuda") if s.name != tshape.name for m in SWEEP_MODES]
         return cases
     tshape, tmode = shapes.TARGETS["cpu"]

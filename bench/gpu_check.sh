@@ -12,7 +12,8 @@
 # Steps and time bounds (the whole script stays under 6 minutes on an H200):
 #   0. preflight: torch, CUDA, triton present, or exit 2 at once with the reason   (seconds)
 #   1. install the tree                                                           (<= 45 s)
-#   2. EAGLE_FAST_REQUIRE_GPU=1 pytest -m gpu tests/test_lm_head*.py              (<= 140 s)
+#   2. EAGLE_FAST_REQUIRE_GPU=1 pytest -m gpu tests/test_lm_head*.py
+#      tests/test_draft_topk_triton.py                                             (<= 140 s)
 #   3. bench/bench_lm_head.py --device cuda: target cases first, stops starting new
 #      cases after 100 s, and rewrites its JSON after every case                  (<= 150 s)
 #   4. bench/report.py: RESULTS.md (+ plot when matplotlib is there)               (seconds)
@@ -100,11 +101,11 @@ else
 fi
 
 # --- 2. gpu-marked tests ---------------------------------------------------------------------
-log "gpu tests: EAGLE_FAST_REQUIRE_GPU=1 pytest -m gpu tests/test_lm_head*.py"
+log "gpu tests: EAGLE_FAST_REQUIRE_GPU=1 pytest -m gpu tests/test_lm_head*.py tests/test_draft_topk_triton.py"
 if "$PY" -c "import pytest" 2>/dev/null; then
     # shellcheck disable=SC2086
     EAGLE_FAST_REQUIRE_GPU=1 timeout 140 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
-        tests/test_lm_head*.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+        tests/test_lm_head*.py tests/test_draft_topk_triton.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     trc=${PIPESTATUS[0]}
     if [ "$trc" -eq 124 ]; then
         log "gpu tests: TIMED OUT after 140 s"

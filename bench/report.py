@@ -34,7 +34,7 @@ _PAGE_DIR, _RESULTS_DIR = HERE, RESULTS
 
 PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "gemm-floor")
 PHASES = ("norm", "upcast", "gemm", "merge", "exp", "copy-out", "other")
-MODE_ORDER = ("all", "lse+argmax", "topk64", "draft32k", "logits-bf16")
+MODE_ORDER = ("all", "lse+argmax", "topk64", "draft32k", "draft-topk64", "logits-bf16")
 
 
 def fmt_s(t):
