@@ -18,7 +18,7 @@ from _assert import assert_close, assert_ids_equal
 from _oracle import lm_head_oracle
 from eagle_fast.kernels import lm_head
 from test_lm_head import _LargestTensor, make_inputs, random_draft, tie_inputs
-from test_lm_head_triton_internal import _int_logit_inputs
+from test_lm_head_triton_internal import _int_logit_inputs, cuda_case
 
 lm = importlib.import_module("eagle_fast.kernels.lm_head_triton")
 
@@ -173,12 +173,7 @@ def test_draft_topk_launch_builds_no_draft_sized_tensor(gen):
 @pytest.mark.parametrize("outputs", [("draft_topk",), ("draft_topk", "lse", "draft")], ids="+".join)
 def test_compiled_draft_topk_matches_oracle_on_cuda(outputs):
     # k=64 > the 8 first-pass candidates per tile: crowded tiles are re-run compiled too
-    g = torch.Generator(device="cuda").manual_seed(6)
-    N, H, V, k = 300, 1024, 32_003, 64  # ragged N and V
-    hidden = (torch.randn(N, H, device="cuda", generator=g) * 3).bfloat16()
-    weight = (torch.randn(V, H, device="cuda", generator=g) * (4 / H**0.5)).bfloat16()
-    nw = (1 + 0.2 * torch.randn(H, device="cuda", generator=g)).bfloat16()
-    draft = torch.arange(0, V, 4, device="cuda")
+    hidden, weight, nw, draft, k = cuda_case(6, 4)
     out = lm_head(hidden, weight, nw, outputs=outputs, k=k, draft_ids=draft, impl="triton")
     oracle = lm_head_oracle(hidden, weight, nw, k=k, draft_ids=draft)
     got = oracle.draft_logprobs.gather(1, out.draft_topk_ids)

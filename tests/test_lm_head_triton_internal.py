@@ -236,15 +236,21 @@ def test_default_configs_are_deterministic_and_fit_hopper():
 # ----------------------------------------------------------------------------------- GPU
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("outputs", [("lse", "argmax"), ("topk", "draft"), ALL], ids="+".join)
-def test_compiled_kernel_matches_oracle_on_cuda(outputs):
-    g = torch.Generator(device="cuda").manual_seed(5)
-    N, H, V, k = 300, 1024, 32_003, 64  # ragged N and V
+def cuda_case(seed: int, draft_step: int):
+    """bf16 inputs on CUDA at a ragged shape (N=300, H=1024, V=32,003), k=64, every
+    `draft_step`-th id a draft id: `(hidden, weight, norm_weight, draft, k)`."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    N, H, V, k = 300, 1024, 32_003, 64
     hidden = (torch.randn(N, H, device="cuda", generator=g) * 3).bfloat16()
     weight = (torch.randn(V, H, device="cuda", generator=g) * (4 / H**0.5)).bfloat16()
     nw = (1 + 0.2 * torch.randn(H, device="cuda", generator=g)).bfloat16()
-    draft = torch.arange(0, V, 7, device="cuda")
+    return hidden, weight, nw, torch.arange(0, V, draft_step, device="cuda"), k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("outputs", [("lse", "argmax"), ("topk", "draft"), ALL], ids="+".join)
+def test_compiled_kernel_matches_oracle_on_cuda(outputs):
+    hidden, weight, nw, draft, k = cuda_case(5, 7)
     out = lm_head(hidden, weight, nw, outputs=outputs, k=k, draft_ids=draft, impl="triton")
     oracle = lm_head_oracle(hidden, weight, nw, k=k, draft_ids=draft)
     assert_close(out.lse, oracle.lse, atol=1e-4, rtol=1e-5, name="lse")
