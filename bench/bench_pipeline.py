@@ -136,19 +136,17 @@ def _child(spec: str) -> int:
 # --------------------------------------------------------------------------- parent
 
 
-def _run_engine(engine: str, model: Path, data: Path, vocab_file: Path, work: Path, max_len: int,
-                variant: str = "", extra: tuple[str, ...] = ()) -> dict:
-    out = work / f"ds-{engine}{'-' + variant if variant else ''}"
+def _run_engine(engine: str, model: Path, data: Path, vocab_file: Path, work: Path, max_len: int) -> dict:
+    out = work / f"ds-{engine}"
     shutil.rmtree(out, ignore_errors=True)
     argv = ["extract", "--model", str(model), "--data", str(data), "--out", str(out), "--engine", engine,
-            "--draft-vocab", str(vocab_file), "--max-len", str(max_len), *extra]
+            "--draft-vocab", str(vocab_file), "--max-len", str(max_len)]
     spec = json.dumps({"argv": argv, "out": str(out)})
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", spec],
                          check=False, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
-    rec = {"engine": engine, "variant": variant, "command": "eagle-fast " + " ".join(argv),
-           "process_wall_s": wall}
+    rec = {"engine": engine, "command": "eagle-fast " + " ".join(argv), "process_wall_s": wall}
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("PIPELINE ")), None)
     if res.returncode != 0 or line is None:
         rec["status"] = f"error: rc={res.returncode}: {(res.stderr or res.stdout)[-1500:]}"
@@ -186,7 +184,7 @@ def _compact_runs(model: Path, data: Path, vocab_file: Path, work: Path, max_len
     same work here, one process much less. Each record is its fastest loop (the manifest's
     engine-loop seconds), with every run's loop time in `loop_s_runs`."""
     argvs = {name: ["extract", "--model", str(model), "--data", str(data), "--out", str(work / f"c-{name}"),
-                    "--engine", COMPACT_ENGINE, "--draft-vocab", str(vocab_file), "--max-len", str(max_len), *extra]
+                    "--engine", COMPACT_ENGINE, "--draft-vocab", str(vocab_file), "--max-len", str(max_len)]
              for name, extra in COMPACT_VARIANTS.items()}
     spec = json.dumps({"argvs": argvs, "repeats": COMPACT_REPEATS})
     res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--compact-child", spec],

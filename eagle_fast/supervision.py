@@ -145,10 +145,11 @@ def dense_target_p(
     p = logprobs.float().exp()
     if mode == "renormalize":
         p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    out = torch.zeros(*ids.shape[:-1], draft_size, dtype=torch.float32, device=ids.device)
     if mode == "spread" and draft_size > k:
         fill = (tail.float() / (draft_size - k)).unsqueeze(-1)
-        out += fill
+    else:
+        fill = torch.zeros(*ids.shape[:-1], 1, device=ids.device)
+    out = fill.expand(*ids.shape[:-1], draft_size).contiguous()
     return out.scatter_(-1, ids.long(), p)
 
 
