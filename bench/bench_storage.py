@@ -139,7 +139,7 @@ def run(out_dir: Path | None = None) -> dict:
         vocab = work / "vocab.pt"
         from eagle_fast import cli
 
-        if cli.main(["vocab", "--model", str(model), "--data", str(_held_out_all(work)), "--size",
+        if cli.main(["vocab", "--model", str(model), "--data", str(_all_data(work)), "--size",
                      str(DRAFT_SIZE), "--out", str(vocab)]) != 0:
             raise RuntimeError("eagle-fast vocab failed")
         opts = _options()
@@ -207,7 +207,7 @@ def recommend(records: dict) -> int | None:
     return None
 
 
-def _held_out_all(work: Path) -> Path:
+def _all_data(work: Path) -> Path:
     """All of the bundled chat data: what the draft vocabulary is counted on, as in training."""
     from eagle_fast.tiny import _data_path
 
