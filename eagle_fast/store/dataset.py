@@ -17,6 +17,8 @@ as their own readers would (use NeMo's `CachedEagle3Dataset` for NeMo training).
 Hidden states stored in fp8 (`--aux-dtype fp8`) are dequantised on read (`store/fp8.py`) to the
 target's dtype, or to `aux_dtype` when given (which also casts non-fp8 ones); their scale
 fields are dropped. `raw(i)` returns the stored tensors as they are.
+`nemo_inputs(i)` / `nemo_collate` give a native draft or draft-topk sample in the shifted frame
+NeMo AutoModel's `Eagle3TrainerModule` trains on (bench/bench_accept.py trains drafts so).
 
 Opening checks the manifest (format, version, completeness) and each file's size and
 safetensors-header hash; `verify="full"` re-hashes every byte (slow on big datasets).
@@ -37,6 +39,7 @@ from eagle_fast.inputs import SamplePlan
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.fp8 import dequantize_sample
 from eagle_fast.store.manifest import check_file_cheap, check_file_full, iter_files, read_manifest
+from eagle_fast.store.nemo import trainer_frame
 from eagle_fast.store.safetensors import open_safetensors as _safe_open
 from eagle_fast.supervision import TAIL_MODES, dense_target_p
 
@@ -141,6 +144,27 @@ class Eagle3Dataset(Dataset):
         raise UserError(f"{self.root} stores --supervision {self.spec.kind} ({self.layout.name} "
                         "format), which has no draft distribution",
                         "extract with --supervision draft or draft-topk (and --draft-vocab)")
+
+    def nemo_inputs(self, index: int, tail: str = "spread") -> dict[str, torch.Tensor]:
+        """Sample `index` as NeMo AutoModel's `Eagle3TrainerModule.forward` takes it, unpadded:
+        `store.nemo.trainer_frame` of the native draft / draft-topk fields (`target_p(i, tail)`
+        shifted into NeMo's frame). Batch with `nemo_collate`."""
+        if self.layout.name != "native" or self.spec.kind not in ("draft", "draft-topk"):
+            raise UserError(f"{self.root} is a {self.layout.name} dataset of --supervision {self.spec.kind}; "
+                            "nemo_inputs needs the native format with --supervision draft or draft-topk",
+                            "re-extract with --format native --supervision draft (or draft-topk) "
+                            "--draft-vocab FILE, or read a --format nemo cache with NeMo's CachedEagle3Dataset")
+        s = self[index]
+        return trainer_frame(s["input_ids"], s["loss_mask"], s["aux_hidden_states"], self._target_p(s, tail),
+                             s["argmax_in_draft"])
+
+    @staticmethod
+    def nemo_collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Right-pad `nemo_inputs` samples into `Eagle3TrainerModule.forward` kwargs (int64
+        attention_mask, as NeMo's cache reader gives it); padded rows are zero and unsupervised."""
+        out = Eagle3Dataset.collate(batch)
+        out["attention_mask"] = out["attention_mask"].to(torch.int64)
+        return out
 
     def length(self, index: int) -> int:
         """Token count of sample `index` (unpadded)."""

@@ -35,6 +35,22 @@ def _shift_left(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((t[1:], torch.zeros_like(t[:1])), dim=0)
 
 
+def trainer_frame(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
+                  target_p: torch.Tensor, argmax_in_draft: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One unshifted sample (length T) in the frame NeMo's `Eagle3TrainerModule.forward` trains on.
+
+    As NeMo's HFEagle3TargetModel + `_compute_target_distribution` build it: input_ids, loss_mask,
+    target_probs and position_mask are shifted left by one with zero fill (row t describes
+    position t+1), aux_hidden_states is not; position_mask = the full-vocabulary argmax is in the
+    draft vocabulary and the shifted loss mask is set. Returns int64 input_ids / loss_mask, the
+    aux states as given, fp32 target_probs [T, Vd] and bool position_mask [T, 1].
+    """
+    loss = _shift_left(loss_mask.to(torch.int64))
+    return {"input_ids": _shift_left(input_ids.to(torch.int64)), "loss_mask": loss,
+            "aux_hidden_states": aux_hidden_states, "target_probs": _shift_left(target_p.float()),
+            "position_mask": (_shift_left(argmax_in_draft.bool()) & loss.bool()).unsqueeze(-1)}
+
+
 class NemoLayout(Layout):
     name = "nemo"
 
