@@ -50,7 +50,8 @@ test-avx2: $(STAMP)
 
 # pytest-benchmark over bench/bench_*.py (head, runner, pipeline), then bench/RESULTS.md and the
 # plots from bench/results/*.json; see bench/README.md. About 14 minutes on 2 cores (845 s measured)
-# before the storage benchmark and the compact-option runs joined it (about 4 minutes more).
+# before the storage benchmark and the compact-option runs joined it (about 4 minutes more), and
+# the acceptance benchmark (bench_accept.py, 16 minutes measured alone).
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
 
