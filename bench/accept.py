@@ -10,6 +10,8 @@ The pieces `bench_accept.py` and `tests/test_accept.py` share:
                 nemo_cache_samples  an eagle_fast `--format nemo` cache, read by NeMo's
                                     `CachedEagle3Dataset`
                 served_samples      `eagle-fast serve` through NeMo's `RemoteEagle3TargetModel`
+                runner_samples      an eagle_fast runner in process: NeMo's drop-in wrapper
+                                    (full logits) or the fast path (no full logits)
   train_draft NeMo's `LlamaEagle3DraftModel` (the registry's draft for Qwen3), built, seeded from
               the target's embeddings and given the vocabulary mapping exactly as NeMo's
               train_eagle3 recipe does, wrapped in its `Eagle3TrainerModule` (soft CE, TTT
@@ -154,6 +156,38 @@ def reference_samples(target, samples: list, ids: torch.Tensor, mask: torch.Tens
         out += _unbatch({"input_ids": b.input_ids, "loss_mask": b.loss_mask,
                          "aux_hidden_states": b.aux_hidden_states, "target_probs": probs,
                          "position_mask": pos}, lengths)
+    return out
+
+
+@torch.no_grad()
+def runner_samples(runner, samples: list, ids: torch.Tensor, mask: torch.Tensor, fast: bool,
+                   batch_size: int = 8) -> list[dict]:
+    """In process with an eagle_fast runner: as NeMo's drop-in (`RunnerEagle3TargetModel`
+    around it, full logits, NeMo's projection) or, `fast`, through the fast path
+    `forward_eagle3_supervision(("draft",))` + `Supervision.to_nemo_batch` (no full logits)."""
+    from nemo_automodel.components.speculative.eagle.core import _compute_target_distribution
+    from nemo_automodel.components.speculative.eagle.target_runner import RunnerEagle3TargetModel
+
+    from eagle_fast.pipeline.config import default_aux_layers
+
+    # NeMo's wrapper sets the runner's aux layers, for the fast path too
+    backend = RunnerEagle3TargetModel(runner, aux_layer_ids=default_aux_layers(runner.num_layers))
+    out: list[dict] = []
+    for i in range(0, len(samples), batch_size):
+        chunk = samples[i: i + batch_size]
+        input_ids = _pad([s.input_ids for s in chunk], PAD)
+        attention = _pad([[1] * s.length for s in chunk], 0)
+        loss = _pad([s.loss_mask for s in chunk], 0)
+        if fast:
+            b = runner.forward_eagle3_supervision(input_ids, attention, outputs=("draft",),
+                                                  draft_ids=ids).to_nemo_batch(input_ids, loss)
+            probs, pos = b.target_probs, b.position_mask
+        else:
+            b = backend.generate_batch(input_ids, attention, loss)
+            probs, pos = _compute_target_distribution(b.logits, ids, mask, b.loss_mask)
+        out += _unbatch({"input_ids": b.input_ids, "loss_mask": b.loss_mask,
+                         "aux_hidden_states": b.aux_hidden_states, "target_probs": probs,
+                         "position_mask": pos}, [s.length for s in chunk])
     return out
 
 

@@ -14,6 +14,9 @@ What it does
       draft-topk    native-bf16 with `--supervision draft-topk --k K` (K: bench_storage's recommended k)
       preset        fp8 + draft-topk K, the compact preset (and fp8 + draft-topk 4 and 16: the curve)
       served        `eagle-fast serve --engine hf --dtype bf16` through NeMo's RemoteEagle3TargetModel
+      dropin-vllm   VLLMTargetRunner (bf16) in the trainer's process, wrapped by NeMo's own
+                    RunnerEagle3TargetModel (full logits, NeMo's projection)
+      fastpath-vllm the same runner's forward_eagle3_supervision(("draft",)) (no full logits)
       zero-aux      native-bf16 with every aux state zeroed: a broken source (speculators #613's
                     zero-filled captures), to show the measure tells broken data apart
     and reports for each: NeMo's `simulated_accept_length` on the held-out split (always against
@@ -132,6 +135,31 @@ def _serve(model, samples, ids, mask) -> tuple[list[dict], dict]:
                  "extract_s": time.perf_counter() - t0, "bytes_per_token": None, "qwen3_8b_bytes_per_token": None}
 
 
+def _in_process(model, train_plan, ids, mask, ref, emb) -> dict:
+    """The eagle_fast runner in the trainer's process: vLLM (bf16) through NeMo's drop-in wrapper
+    (full fp32 logits) and through the fast path (no full logits), one engine for both."""
+    import torch
+
+    from eagle_fast import VLLMTargetRunner
+
+    t0 = time.perf_counter()
+    runner = VLLMTargetRunner.build(str(model), dtype=torch.bfloat16)
+    out = {}
+    try:
+        build = time.perf_counter() - t0
+        for name, fast in (("dropin-vllm", False), ("fastpath-vllm", True)):
+            t0 = time.perf_counter()
+            got = A.runner_samples(runner, train_plan, ids, mask, fast=fast)
+            A.check_aligned(ref, got, name)
+            how = "forward_eagle3_supervision((\"draft\",))" if fast else "RunnerEagle3TargetModel, full logits"
+            out[name] = (got, {"option": {"in_process": f"VLLMTargetRunner bf16, {how}", "engine_build_s": build},
+                               "extract_s": time.perf_counter() - t0, "bytes_per_token": None,
+                               "qwen3_8b_bytes_per_token": None}, emb)
+    finally:
+        runner.close()
+    return out
+
+
 def sources(model, work: Path, vocab: Path, train_plan, ids, mask, k: int, serve: bool = True):
     """name -> (training samples, record, draft embeddings), the reference first."""
     import torch
@@ -157,6 +185,7 @@ def sources(model, work: Path, vocab: Path, train_plan, ids, mask, k: int, serve
         got, rec = _serve(model, train_plan, ids, mask)
         A.check_aligned(ref, got, "served")
         out["served"] = (got, rec, emb)
+    out.update(_in_process(model, train_plan, ids, mask, ref, emb))
     base = out["native-bf16"]
     zeroed = [{**s, "aux_hidden_states": torch.zeros_like(s["aux_hidden_states"])} for s in base[0]]
     out["zero-aux"] = (zeroed, {**base[1], "option": {"control": "native-bf16 with aux zeroed"}}, emb)
@@ -256,7 +285,7 @@ def evaluate(records: dict, wall_s: float) -> H.Verdicts:
     v = H.Verdicts()
     ref = records["reference"]
     noise = ref["accept_length_spread"]
-    for name in ("native-bf16", "nemo-bf16", "native-fp32", "served"):
+    for name in ("native-bf16", "nemo-bf16", "native-fp32", "served", "dropin-vllm", "fastpath-vllm"):
         if name not in records:
             continue
         d = _paired(records, name, "reference")
