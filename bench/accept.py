@@ -68,10 +68,12 @@ def plan(model_dir: str | Path, data: Path) -> list:
     """The tokenised samples of `data`, as `eagle-fast extract` plans them (same ids, same loss mask)."""
     from transformers import AutoConfig
 
-    from eagle_fast.inputs import load_tokenizer, plan_inputs
+    from eagle_fast.inputs import load_tokenizer, plan_inputs, resolve_max_len
 
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    return plan_inputs(data, load_tokenizer(str(model_dir)), vocab, max_len=2047, overlong="truncate").samples
+    cfg = AutoConfig.from_pretrained(model_dir)
+    max_len = resolve_max_len(None, cfg.max_position_embeddings)  # extract's default
+    return plan_inputs(data, load_tokenizer(str(model_dir)), cfg.vocab_size, max_len=max_len,
+                       overlong="truncate").samples
 
 
 def prompts(model_dir: str | Path, lines: list[str]) -> list[list[int]]:

@@ -160,11 +160,10 @@ def _in_process(model, train_plan, ids, mask, ref, emb) -> dict:
     return out
 
 
-def sources(model, work: Path, vocab: Path, train_plan, ids, mask, k: int, serve: bool = True):
+def sources(model, target, work: Path, vocab: Path, train_plan, ids, mask, k: int, serve: bool = True):
     """name -> (training samples, record, draft embeddings), the reference first."""
     import torch
 
-    target = A.load_target(model)
     emb = target.get_input_embeddings().weight.detach().clone()
     data = work / "train.jsonl"
     max_len = max(s.length for s in train_plan)
@@ -231,13 +230,14 @@ def run(out_dir: Path | None = None) -> dict:
         if cli.main(["vocab", "--model", str(model), "--data", str(data), "--size", str(A.DRAFT_SIZE),
                      "--out", str(vocab)]) != 0:
             raise RuntimeError("eagle-fast vocab failed")
-        V = A.load_target(model).config.vocab_size
-        ids, mask = A.vocab_tensors(vocab, V)
+        target = A.load_target(model)  # the fp32 target of NeMo's reference, and its config
+        ids, mask = A.vocab_tensors(vocab, target.config.vocab_size)
         train_plan, held_plan = A.plan(model, data), A.plan(model, held)
-        srcs = sources(model, work, vocab, train_plan, ids, mask, k)
-        held_ref = A.reference_samples(A.load_target(model), held_plan, ids, mask)
+        srcs = sources(model, target, work, vocab, train_plan, ids, mask, k)
+        held_ref = A.reference_samples(target, held_plan, ids, mask)
         prompts = A.prompts(model, held_lines)
-        aux_layers = default_aux_layers(A.load_target(model).config.num_hidden_layers)
+        aux_layers = default_aux_layers(target.config.num_hidden_layers)
+        del target
         for name, (samples, rec, emb) in srcs.items():
             runs = []
             for seed in SEEDS:
