@@ -105,13 +105,6 @@ def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
     return torch.tensor([r + [value] * (T - len(r)) for r in rows], dtype=torch.int64)
 
 
-def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """Right-pad NeMo-frame samples into trainer kwargs (zero rows, unsupervised)."""
-    from eagle_fast.store.dataset import Eagle3Dataset
-
-    return Eagle3Dataset.nemo_collate(samples)
-
-
 def _unbatch(batch, lengths: list[int]) -> list[dict]:
     """Per-sample slices of a NeMo Eagle3TargetBatch-like record holding target_probs/position_mask."""
     out = []
@@ -286,7 +279,9 @@ def _lr_at(step: int, t: DraftTrain) -> float:
 
 
 def _step_inputs(samples: list[dict]) -> dict[str, torch.Tensor]:
-    b = collate(samples)
+    from eagle_fast.store.dataset import Eagle3Dataset
+
+    b = Eagle3Dataset.nemo_collate(samples)  # right-padded; padded rows zero and unsupervised
     out = {k: b[k] for k in ("input_ids", "attention_mask", "loss_mask", "aux_hidden_states",
                              "target_probs", "position_mask")}
     # Probabilities below fp32's smallest normal (exp of a log-prob under -87) are flushed to zero
