@@ -323,3 +323,20 @@ def test_lifecycle(tiny_qwen3):
     runner.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         runner.capture([[1, 2, 3]])
+
+
+def test_capture_runs_no_lm_head(runner, monkeypatch):
+    """Captures run the decoder alone; forward_eagle3 still returns transformers' own logits."""
+    ids, am = make_batch([7, 3], vocab=runner.head.vocab_size, seed=4)
+    want = runner.capture(rows(ids, am))
+    lm_head = runner.hf_model.get_output_embeddings()
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the capture ran the LM head")
+
+    monkeypatch.setattr(lm_head, "forward", refuse)
+    got = runner.capture(rows(ids, am))
+    for (a, f), (a2, f2) in zip(got, want):
+        assert torch.equal(a, a2) and torch.equal(f, f2)
+    with pytest.raises(AssertionError, match="ran the LM head"):
+        runner.forward_eagle3(ids, am)
