@@ -7,7 +7,8 @@ hidden states in planned groups and hands each group's results to a destination:
   - `RowFields()`: one `[T_i, ...]` tensor per row and field, for the extraction pipeline.
 Both go through the same planner (`plan_supervision_groups`) and the same memory bound: a
 group's staged results never add more than `STAGING_BYTES` to the size of the fields being
-filled. PaddedFields copies each group into its fields (so the head returns fp32 and the copy
+filled. A destination that keeps nothing (the server's `StreamedFields`, `keeps = False`)
+bounds each group by its own `staging_bytes` instead. PaddedFields copies each group into its fields (so the head returns fp32 and the copy
 rounds to out_dtype once); RowFields keeps the head's outputs as they are (the head rounds),
 which stages nothing, so only `GROUP_TOKENS` bounds its groups.
 
@@ -162,6 +163,7 @@ class PaddedFields:
     """`[B, S, ...]` fields (lazily zeroed pages, `zeros`), filled row piece by row piece."""
 
     copies = True
+    keeps = True  # the fields stay: groups may grow by what they will hold anyway
 
     def __init__(self, B: int, S: int, device, out_dtype: torch.dtype):
         self.shape, self.device, self.out_dtype = (B, S), device, out_dtype
@@ -183,6 +185,7 @@ class RowFields:
     spans groups is joined once, when asked for)."""
 
     copies = False
+    keeps = True
 
     def __init__(self, n_rows: int):
         self._parts: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(n_rows)]
@@ -204,7 +207,7 @@ def supervise(
     head,
     finals: list[torch.Tensor | None],
     outputs: Sequence[str],
-    into: PaddedFields | RowFields,
+    into,
     *,
     draft_ids: torch.Tensor | None = None,
     k: int = 0,
@@ -212,7 +215,9 @@ def supervise(
     impl: str = "auto",
 ) -> None:
     """Run `head` (a `TargetHead`) over every row's final pre-norm hidden `finals[i]` `[T_i, H]`
-    and put the `outputs` ("hidden" = the final hidden itself) into `into`.
+    and put the `outputs` ("hidden" = the final hidden itself) into `into`: `PaddedFields`,
+    `RowFields`, or any destination with their `copies`, `keeps` and `put` (and, where `keeps`
+    is False, `staging_bytes`).
 
     Rows go through the head in groups planned by `plan_supervision_groups` (pieces of rows);
     `finals` entries are dropped (set to None) once their last group has run, so the inputs
@@ -230,7 +235,8 @@ def supervise(
     lens = [f.shape[0] for f in finals]
     staged, kept = bytes_per_token(head, head_outputs, with_hidden, draft_ids, k, head_dtype, out_dtype)
     groups = plan_supervision_groups(
-        lens, staged if into.copies else 0, kept, STAGING_BYTES,
+        lens, staged if into.copies else 0, kept if into.keeps else 0,
+        STAGING_BYTES if into.keeps else into.staging_bytes,
         max_tokens=GROUP_TOKENS, min_tokens=MIN_TOKENS,
     )  # fmt: skip
     last_use = {b: g for g, pieces in enumerate(groups) for b, _, _ in pieces}

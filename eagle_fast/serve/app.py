@@ -2,10 +2,11 @@
 
 FastAPI routes on uvicorn. Bodies are NeMo's wire format (`serve.wire`); a `generate` is
 checked (`serve.protocol`) and handed to the engine thread (`serve.batching.Batcher`), which
-coalesces requests waiting together into one engine call; responses stream straight from the
-response tensors' memory with a Content-Length. Errors are JSON `{"error", "fix"}`: 400 for a
-body that is not a wire blob, 409/413/422 for a request the engine cannot run, 500 when the
-engine fails (the next request rebuilds it), 503 while it cannot be built.
+coalesces requests waiting together into one engine call; a `generate` response goes out, with
+its Content-Length, while the head still computes it (`serve.stream`). Errors are JSON
+`{"error", "fix"}`: 400 for a body that is not a wire blob, 409/413/422 for a request the engine
+cannot run, 500 when the engine fails before the response begins (the next request rebuilds it;
+a failure after that closes the connection short of its length), 503 while it cannot be built.
 
 Lifecycle: the engine starts in the background and `/health` answers 200 once it is ready.
 SIGTERM / Ctrl-C stop accepting, let in-flight requests finish, then stop the engine (its
@@ -39,6 +40,7 @@ from eagle_fast.pipeline.config import default_runner_factory, log, parse_aux_la
 from eagle_fast.serve import protocol as P
 from eagle_fast.serve import wire
 from eagle_fast.serve.batching import Batcher, Engine, EngineFailure, EngineUnavailable
+from eagle_fast.serve.stream import ResponseStream
 
 logger = logging.getLogger("eagle_fast.serve")
 PROBS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -204,8 +206,11 @@ class TargetServer:
             tensors = wire.decode(await request.body())
             req = P.parse_generate(tensors, server.mapping, vocab_size=server.info.vocab_size,
                                    max_len=server.max_len, max_batch_tokens=server.cfg.max_batch_tokens)
-            result = await asyncio.wrap_future(server.batcher.generate(req))
-            return _stream({k: result[k] for k in P.SUPERVISION_KEYS})
+            stream = ResponseStream(asyncio.get_running_loop())
+            # resolves once the engine has captured the rows; a failure until then is a 5xx
+            await asyncio.wrap_future(server.batcher.generate(req, stream))
+            return StreamingResponse(stream.body(), media_type="application/octet-stream",
+                                     headers={"content-length": str(stream.size)})
 
         return app
 

@@ -5,9 +5,10 @@
 `generate` waiting behind it with the same vocabulary mapping, up to the token budget, and
 runs them as ONE `runner.capture` over all their rows plus ONE `supervise` over all their
 final hidden states (the head streams its weight once per group, not once per request).
-`ServedFields` is `supervise`'s destination: it writes each request's NeMo fields straight into
-that request's response tensors (shifted left by one, target_probs = exp of the draft-vocab
-log-softmax, position_mask from the full-vocab argmax), so nothing `[tokens, vocab]` exists.
+`StreamedFields` is `supervise`'s destination: it hands each head group's NeMo fields (shifted
+left by one, target_probs = exp of the draft-vocab log-softmax, position_mask from the full-vocab
+argmax) to that request's `ResponseStream`, which sends them while the next group runs, so
+nothing `[tokens, vocab]` exists and no response exists whole.
 `Engine` builds the runner, drops it after a failure and rebuilds it on the next job.
 
 Limits: one engine, one thread; a batch shares one mapping (requests with another one wait for
@@ -29,10 +30,16 @@ import torch.nn.functional as F
 
 from eagle_fast.runners.base import RunnerBase
 from eagle_fast.serve.protocol import GenerateRequest, VocabMapping
-from eagle_fast.supervision import _shift_left, supervise, zeros
+from eagle_fast.serve.stream import ResponseStream
+from eagle_fast.supervision import _shift_left, supervise
 
 logger = logging.getLogger(__name__)
 _STOP = object()
+# Head groups of a streamed response: at most this many bytes of fp32 draft results per group
+# (256 tokens at a 32k draft). Each group is one head call, which streams the whole LM-head
+# weight (a fixed cost, `bench/bench_cpu_ops.py` "call-overhead"); the response's memory in the
+# server is about one group per request in flight.
+STREAM_GROUP_BYTES = 32 << 20
 
 
 class EngineUnavailable(RuntimeError):
@@ -89,37 +96,39 @@ class Engine:
             runner.close()
 
 
-class ServedFields:
-    """`supervise` destination: each request's response tensors, filled in NeMo's shifted frame.
+class StreamedFields:
+    """`supervise` destination: each request's NeMo fields, in its shifted frame, sent as they
+    are computed (`ResponseStream`): target_probs row pieces go out group by group, in body
+    order; position_mask fills here and goes out at the end (`finish`).
 
     For request i, row b, unshifted position t (1 <= t < n_b) the head's results land at t - 1:
     target_probs[b, t-1] = exp(draft_logprobs[t]) (client's column order, `probs_dtype`),
-    position_mask[b, t-1] = selected_mask[argmax[t]] & loss_mask[b, t]. Positions from n_b - 1
-    on keep zero / False: no token follows them in the row.
+    position_mask[b, t-1] = selected_mask[argmax[t]] & loss_mask[b, t]. Slots from n_b - 1 on
+    are zero / False: no token follows them in the row.
     """
 
     copies = True  # the head returns fp32 and put() rounds once, while it copies
+    keeps = False  # nothing stays: groups are bounded by `staging_bytes` alone
+    staging_bytes = STREAM_GROUP_BYTES
 
-    def __init__(self, requests: list[GenerateRequest], mapping: VocabMapping, probs_dtype: torch.dtype,
-                 vocab_size: int):
+    def __init__(self, requests: list[GenerateRequest], streams: list[ResponseStream], mapping: VocabMapping,
+                 probs_dtype: torch.dtype, vocab_size: int):
         self.where = [(i, b) for i, r in enumerate(requests) for b in range(len(r.rows))]
-        self.mapping = mapping
+        self.requests, self.streams = requests, streams
+        self.mapping, self.probs_dtype = mapping, probs_dtype
         mask = mapping.selected_mask
         if mask.numel() < vocab_size:  # an LM head padded past config.vocab_size: extra ids are no draft
             mask = F.pad(mask, (0, vocab_size - mask.numel()))
         self._mask = mask
-        self.probs, self.position_mask, self._loss_next = [], [], []
-        Vd = mapping.draft_ids.numel()
-        for r in requests:
-            B, S = r.input_ids.shape
-            self.probs.append(zeros((B, S, Vd), probs_dtype, "cpu"))
-            self.position_mask.append(torch.zeros(B, S, 1, dtype=torch.bool))
-            self._loss_next.append(r.loss_mask[:, 1:].bool())
+        self._row_zeros = mapping.draft_ids.numel() * probs_dtype.itemsize
+        self.position_mask = [torch.zeros(*r.input_ids.shape, 1, dtype=torch.bool) for r in requests]
+        self._loss_next = [r.loss_mask[:, 1:].bool() for r in requests]
 
     def put(self, pieces: list[tuple[int, int, int]], values: dict[str, torch.Tensor]) -> None:
         probs = values["draft_logprobs"].float().exp_()
         if self.mapping.columns is not None:
             probs = probs.index_select(1, self.mapping.columns.to(probs.device))
+        probs = probs.to(device="cpu", dtype=self.probs_dtype)
         mask = self._mask.to(values["argmax"].device)
         in_draft = mask[values["argmax"]].cpu()
         start = 0
@@ -128,39 +137,49 @@ class ServedFields:
             first = max(a, 1)  # position 0 has no slot after the shift
             lo, hi = start + first - a, start + c - a
             if hi > lo:
-                self.probs[i][b, first - 1:c - 1].copy_(probs[lo:hi])
+                self.streams[i].send(probs[lo:hi])
                 self.position_mask[i][b, first - 1:c - 1, 0] = (
                     in_draft[lo:hi] & self._loss_next[i][b, first - 1:c - 1])
+            n, S = self.requests[i].lengths[b], self.requests[i].input_ids.shape[1]
+            if c == n:  # the row's last piece: the slots after it are zero
+                self.streams[i].send_zeros((S - (n - 1)) * self._row_zeros)
             start += c - a
 
 
-def supervise_requests(runner: RunnerBase, requests: list[GenerateRequest], probs_dtype: torch.dtype
-                       ) -> list[dict[str, torch.Tensor]]:
-    """One engine call and one head pass for all `requests` (one mapping) -> per request, the
-    response tensors keyed by SUPERVISION_KEYS, with the shapes, dtypes and shifts of NeMo's
-    `compute_supervision`."""
+def supervise_requests(runner: RunnerBase, requests: list[GenerateRequest], streams: list[ResponseStream],
+                       probs_dtype: torch.dtype, begun: Callable[[int], None]) -> None:
+    """One engine call and one head pass for all `requests` (one mapping), each answered on its
+    stream with the keys, shapes, dtypes and shifts of NeMo's `compute_supervision`.
+
+    `begun(i)` is called once request i's stream has begun (after the capture, before the head):
+    a failure before it is the request's to report, after it the stream's."""
     mapping = requests[0].mapping
     captures = runner.capture([row for r in requests for row in r.rows])
-    auxes, k = [], 0
-    for r in requests:
+    Vd, k = mapping.draft_ids.numel(), 0
+    for i, (r, stream) in enumerate(zip(requests, streams)):
         B, S = r.input_ids.shape
         n = len(r.rows)
-        auxes.append(RunnerBase._scatter_rows([a for a, _ in captures[k:k + n]], r.lengths, B, S, "cpu"))
+        aux = RunnerBase._scatter_rows([a for a, _ in captures[k:k + n]], r.lengths, B, S, "cpu")
         k += n
+        tail = {"position_mask": (torch.bool, (B, S, 1)), "input_ids": (r.input_ids.dtype, (B, S)),
+                "loss_mask": (r.loss_mask.dtype, (B, S))}
+        stream.begin(aux, (B, S, Vd), probs_dtype, tail)
+        begun(i)
+        del aux
     finals: list[torch.Tensor | None] = [f for _, f in captures]
     del captures
-    into = ServedFields(requests, mapping, probs_dtype, runner.head.vocab_size)
+    into = StreamedFields(requests, streams, mapping, probs_dtype, runner.head.vocab_size)
     supervise(runner.head, finals, ("draft",), into, draft_ids=mapping.draft_ids, out_dtype=probs_dtype)
-    return [{"aux_hidden_states": aux, "target_probs": probs, "position_mask": pmask,
-             "input_ids": _shift_left(r.input_ids), "loss_mask": _shift_left(r.loss_mask)}
-            for r, aux, probs, pmask in zip(requests, auxes, into.probs, into.position_mask)]
+    for r, stream, pmask in zip(requests, streams, into.position_mask):
+        stream.finish({"position_mask": pmask, "input_ids": _shift_left(r.input_ids),
+                       "loss_mask": _shift_left(r.loss_mask)})
 
 
 class _Job:
-    __slots__ = ("fn", "future", "request")
+    __slots__ = ("fn", "future", "request", "stream")
 
-    def __init__(self, request: GenerateRequest | None, fn: Callable | None):
-        self.request, self.fn, self.future = request, fn, Future()
+    def __init__(self, request: GenerateRequest | None, fn: Callable | None, stream: ResponseStream | None = None):
+        self.request, self.fn, self.future, self.stream = request, fn, Future(), stream
 
 
 class Batcher:
@@ -190,8 +209,10 @@ class Batcher:
             self._queue.put(_STOP)
             self._thread.join(timeout)
 
-    def generate(self, request: GenerateRequest) -> Future:
-        job = _Job(request, None)
+    def generate(self, request: GenerateRequest, stream: ResponseStream) -> Future:
+        """Queue `request`; the Future resolves (None) once `stream` has begun, or raises the
+        engine's failure before that. Later failures end the stream instead."""
+        job = _Job(request, None, stream)
         self._queue.put(job)
         return job.future
 
@@ -237,7 +258,7 @@ class Batcher:
                     batch.append(nxt)
                     budget -= r.input_ids.numel()
             self._run(batch)
-            # the futures hold the responses: drop them now, not when the next job arrives
+            # the jobs hold the streams: drop them now, not when the next job arrives
             batch = job = nxt = r = None
 
     def _run(self, batch: list[_Job]) -> None:
@@ -252,10 +273,11 @@ class Batcher:
             return
         try:
             if live[0].request is None:
-                results = [live[0].fn(runner)]
+                live[0].future.set_result(live[0].fn(runner))
             else:
                 t0 = time.perf_counter()
-                results = supervise_requests(runner, [j.request for j in live], self.probs_dtype)
+                supervise_requests(runner, [j.request for j in live], [j.stream for j in live],
+                                   self.probs_dtype, lambda i: live[i].future.set_result(None))
                 self.stats["engine_seconds"] += time.perf_counter() - t0
                 self.stats["engine_calls"] += 1
                 self.stats["requests"] += len(live)
@@ -266,7 +288,7 @@ class Batcher:
             self.engine.fail(exc)
             failure = EngineFailure(f"{type(exc).__name__}: {exc}")
             for j in live:
-                j.future.set_exception(failure)
-            return
-        for j, res in zip(live, results):
-            j.future.set_result(res)
+                if j.future.done():  # its response has begun: the stream ends with the failure
+                    j.stream.fail(failure)
+                else:
+                    j.future.set_exception(failure)

@@ -5,13 +5,16 @@ UTF-8 key, flags (uint8, bit 0 = None); unless None: dtype code (uint8, `CODES`)
 ndim x int64 shape, nbytes (uint64), the raw contiguous bytes.
 
 `encoded_size` + `encode_chunks` stream a response without copying tensor data (header bytes,
-then memoryviews of each tensor's own storage); `encode` joins them for small bodies; `decode`
+then memoryviews of each tensor's own storage); `entry_header` + `raw_bytes` let a producer send
+an entry whose data does not exist yet as a whole (`serve/stream.py`); `encode` joins them for
+small bodies; `decode`
 checks everything a client can get wrong and raises `WireError` naming it.
 Limits: CPU tensors only, as NeMo's encoder; no alignment padding (the format has none).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Iterator
 
@@ -35,22 +38,27 @@ class WireError(UserError):
     """A body that is not a valid wire blob (the cause says where it breaks)."""
 
 
-def _entry_header(key: str, tensor: torch.Tensor | None) -> bytes:
+def entry_header(key: str, dtype: torch.dtype | None, shape: tuple[int, ...] = ()) -> bytes:
+    """One entry's bytes before its data (dtype None: a None entry, which has no data)."""
     name = key.encode("utf-8")
     head = _U32.pack(len(name)) + name
-    if tensor is None:
+    if dtype is None:
         return head + _U8.pack(_NONE)
-    code = CODE_OF.get(tensor.dtype)
+    code = CODE_OF.get(dtype)
     if code is None:
-        raise TypeError(f"wire format: unsupported dtype {tensor.dtype} for {key!r}")
-    if tensor.device.type != "cpu":
+        raise TypeError(f"wire format: unsupported dtype {dtype} for {key!r}")
+    nbytes = math.prod(int(d) for d in shape) * dtype.itemsize
+    dims = b"".join(_I64.pack(int(d)) for d in shape)
+    return head + _U8.pack(0) + _U8.pack(code) + _U8.pack(len(shape)) + dims + _U64.pack(nbytes)
+
+
+def _entry_header(key: str, tensor: torch.Tensor | None) -> bytes:
+    if tensor is not None and tensor.device.type != "cpu":
         raise ValueError(f"wire format: {key!r} is on {tensor.device}; move it to the CPU first")
-    shape = b"".join(_I64.pack(int(d)) for d in tensor.shape)
-    nbytes = tensor.numel() * tensor.element_size()
-    return head + _U8.pack(0) + _U8.pack(code) + _U8.pack(tensor.dim()) + shape + _U64.pack(nbytes)
+    return entry_header(key, None if tensor is None else tensor.dtype, () if tensor is None else tensor.shape)
 
 
-def _raw(tensor: torch.Tensor) -> memoryview:
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes as a flat memoryview of its own (contiguous) storage."""
     flat = tensor.contiguous().reshape(-1)
     if flat.numel() == 0:
@@ -74,7 +82,7 @@ def encode_chunks(tensors: dict[str, torch.Tensor | None], chunk_bytes: int = CH
         yield _entry_header(key, t)
         if t is None:
             continue
-        raw = _raw(t)
+        raw = raw_bytes(t)
         for start in range(0, len(raw), chunk_bytes):
             yield raw[start:start + chunk_bytes]
 
