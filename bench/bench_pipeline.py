@@ -184,7 +184,7 @@ def _compact_runs(model: Path, data: Path, vocab_file: Path, work: Path, max_len
     same work here, one process much less. Each record is its fastest loop (the manifest's
     engine-loop seconds), with every run's loop time in `loop_s_runs`."""
     argvs = {name: ["extract", "--model", str(model), "--data", str(data), "--out", str(work / f"c-{name}"),
-                    "--engine", COMPACT_ENGINE, "--draft-vocab", str(vocab_file), "--max-len", str(max_len)]
+                    "--engine", COMPACT_ENGINE, "--draft-vocab", str(vocab_file), "--max-len", str(max_len), *extra]
              for name, extra in COMPACT_VARIANTS.items()}
     spec = json.dumps({"argvs": argvs, "repeats": COMPACT_REPEATS})
     res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--compact-child", spec],
