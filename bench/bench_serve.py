@@ -3,8 +3,9 @@
 What it does
     On the runner benchmark's tiny Qwen3 (REAL 151,936-token vocabulary, bf16 checkpoint) with a
     32k draft vocabulary, interleaved round by round (the start rotated each round):
-      in-process     HFTargetRunner.forward_eagle3_supervision(("draft",), fp32 out) in a
-                     trainer-like process of its own, on the same batches client 0 sends
+      in-process     HFTargetRunner.forward_eagle3_supervision(("draft",), fp32 out)
+                     .to_nemo_batch() in a trainer-like process of its own, on the same
+                     batches client 0 sends
       served-1       one NeMo RemoteEagle3TargetModel client (its own process) -> `eagle-fast
                      serve --engine hf` (a subprocess, the real CLI)
       served-4       four such clients at once, each sending the same number of batches
@@ -137,8 +138,9 @@ def client_main(inproc_model: str | None = None) -> None:
 
     def one(url, ids, am, lm):
         if url == "in-process":
-            return runner.forward_eagle3_supervision(ids, am, outputs=("draft",), draft_ids=draft_ids,
-                                                     out_dtype=torch.float32).draft_logprobs
+            sup = runner.forward_eagle3_supervision(ids, am, outputs=("draft",), draft_ids=draft_ids,
+                                                    out_dtype=torch.float32)
+            return sup.to_nemo_batch(ids, lm).target_probs  # the batch a served client gets
         return clients[url].generate_batch(ids, am, lm).target_probs
 
     for line in sys.stdin:
@@ -160,13 +162,14 @@ def client_main(inproc_model: str | None = None) -> None:
                 rss.append(_proc_kib(cmd["pid"], "VmRSS") * 1024)
             print(json.dumps({"rss": rss}), flush=True)
             continue
-        start, tokens = time.time(), 0
+        start, tokens, cpu0 = time.time(), 0, _cpu_seconds("self")
         for seed in cmd["seeds"]:
             ids, am, lm = batch(seed)
             out = one(url, ids, am, lm)
             assert out.shape == (*ids.shape, sel.numel())
             tokens += int(am.sum())
-        print(json.dumps({"start": start, "end": time.time(), "tokens": tokens}), flush=True)
+        print(json.dumps({"start": start, "end": time.time(), "tokens": tokens,
+                          "cpu_s": _cpu_seconds("self") - cpu0}), flush=True)
 
 
 class Clients:
@@ -181,14 +184,17 @@ class Clients:
         p.stdin.flush()
         return json.loads(p.stdout.readline())
 
-    def run(self, url: str, n_clients: int, round_index: int, n: int = N_PER_CLIENT) -> float:
-        """n_clients at once, n batches each -> tokens/s over the whole window."""
+    def run(self, url: str, n_clients: int, round_index: int, n: int = N_PER_CLIENT) -> tuple[float, float, float]:
+        """n_clients at once, n batches each -> (tokens/s over the whole window, the clients'
+        CPU seconds per request, real tokens per request)."""
         for c, p in enumerate(self.procs[:n_clients]):
             seeds = [1000 * round_index + 10 * c + j for j in range(n)]
             p.stdin.write(json.dumps({"url": url, "seeds": seeds}) + "\n")
             p.stdin.flush()
         res = [json.loads(p.stdout.readline()) for p in self.procs[:n_clients]]
-        return sum(r["tokens"] for r in res) / (max(r["end"] for r in res) - min(r["start"] for r in res))
+        tps = sum(r["tokens"] for r in res) / (max(r["end"] for r in res) - min(r["start"] for r in res))
+        n_req = n * n_clients
+        return tps, sum(r["cpu_s"] for r in res) / n_req, sum(r["tokens"] for r in res) / n_req
 
     def close(self):
         for p in self.procs:
@@ -207,6 +213,12 @@ def _proc_kib(pid: int, key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     raise KeyError(key)
+
+
+def _cpu_seconds(pid) -> float:
+    """User + system CPU seconds of process `pid` ("self": this one), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _reset_hwm(pid: int) -> None:
@@ -239,11 +251,11 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
         _wait_up(nemo_url, nemo)
         draft_ids = sel.sort().values
 
-        def in_process(round_index: int) -> float:
+        def in_process(round_index: int) -> tuple[float, float, float]:
             return trainer.run("in-process", 1, round_index)
 
         def served(url, pid, n):
-            def go(round_index: int) -> float:
+            def go(round_index: int) -> tuple[float, float, float]:
                 return clients.run(url, n, round_index)
             return go, pid
 
@@ -262,7 +274,15 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
                     records[name]["idle_rss_bytes"].append(_proc_kib(pid, "VmRSS") * 1024)
                     _reset_hwm(pid)
                 ours_before, t0 = _stats(ours_url) if name.startswith("served") else None, time.time()
-                records[name]["tokens_per_s"].append(fn(r))
+                server_cpu0 = _cpu_seconds(pid) if pid is not None else None
+                tps, client_cpu, tokens = fn(r)
+                records[name]["tokens_per_s"].append(tps)
+                records[name].setdefault("client_cpu_s_per_request", []).append(client_cpu)
+                records[name].setdefault("tokens_per_request", []).append(tokens)
+                if pid is not None:  # every provider but in-process sends N_PER_CLIENT per client
+                    n_req = N_PER_CLIENT * (CLIENTS if name == "served-4" else 1)
+                    records[name].setdefault("server_cpu_s_per_request", []).append(
+                        (_cpu_seconds(pid) - server_cpu0) / n_req)
                 if ours_before is not None:  # our engine's busy share of the round, and per-call speed
                     after, wall = _stats(ours_url), time.time() - t0
                     busy = after["engine_seconds"] - ours_before["engine_seconds"]
@@ -335,15 +355,27 @@ def evaluate(out: dict) -> H.Verdicts:
     by = {r["provider"]: r for r in out["records"]}
     tps = {k: r["median_tokens_per_s"] for k, r in by.items()}
     where = f"tiny Qwen3 V={VOCAB}, requests of {REQ_B}x{REQ_S}"
+    cpu = {k: (_median(r.get("client_cpu_s_per_request") or []), _median(r.get("server_cpu_s_per_request") or []))
+           for k, r in by.items()}
     if tps.get("in-process") and tps.get("served-1"):
         r = tps["served-1"] / tps["in-process"]
+        (c1, s1), (i1, _) = cpu["served-1"], cpu["in-process"]
+        bound = (f"; CPU per request: client {c1:.2f} s + server {s1:.2f} s, in process {i1:.2f} s, so on "
+                 f"{out['environment'].get('cpu_threads', 2)} shared cores the served request's CPU alone allows at most "
+                 f"{i1 / (c1 + s1):.2f}x" if None not in (c1, s1, i1) else "")
         v.check(f"serve ({where}): one client >= 0.9x in-process forward_eagle3_supervision", r >= 0.9,
-                f"{tps['served-1']:.0f} vs {tps['in-process']:.0f} tok/s = {r:.2f}x")
+                f"{tps['served-1']:.0f} vs {tps['in-process']:.0f} tok/s = {r:.2f}x{bound}")
     if tps.get("served-1") and tps.get("served-4"):
         r = tps["served-4"] / tps["served-1"]
         busy = {k: _median(by[k].get("engine_utilisation") or []) for k in ("served-1", "served-4")}
         busy_txt = (f"; our engine busy {100 * busy['served-1']:.0f}% of the time with one client, "
                     f"{100 * busy['served-4']:.0f}% with {CLIENTS}" if None not in busy.values() else "")
+        c4, s4 = cpu["served-4"]
+        if None not in (c4, s4):
+            tokens = _median(by["served-4"]["tokens_per_request"])
+            cores = out["environment"].get("cpu_threads", 2)
+            busy_txt += (f"; CPU per request with {CLIENTS}: client {c4:.2f} s + server {s4:.2f} s, a ceiling of "
+                         f"{cores * tokens / (c4 + s4):.0f} tok/s on {cores} cores")
         v.check(f"serve ({where}): {CLIENTS} clients >= 1.3x one client", r >= 1.3,
                 f"{tps['served-4']:.0f} vs {tps['served-1']:.0f} tok/s = {r:.2f}x{busy_txt}")
     if tps.get("nemo-1") and tps.get("served-1"):

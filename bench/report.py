@@ -319,6 +319,14 @@ def ray_section(d: dict) -> list[str]:
     return out
 
 
+def _median_s(xs) -> str:
+    """The median of a list of seconds, or "-" (older results did not record it)."""
+    if not xs:
+        return "-"
+    xs = sorted(xs)
+    return f"{(xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2:.2f} s"
+
+
 def serve_section(d: dict) -> list[str]:
     """`eagle-fast serve` against in-process supervision and NeMo's own server (bench_serve.py)."""
     env, s = d["environment"], d["setup"]
@@ -327,7 +335,9 @@ def serve_section(d: dict) -> list[str]:
             f"{s['requests_per_client_per_round']} per client per round, {s['rounds']} interleaved rounds; "
             f"draft vocab {s['draft_vocab']:,}. Ours: {s['ours']}. NeMo: {s['nemo']}. Clients are NeMo's "
             "`RemoteEagle3TargetModel`, each in its own process. Peak RSS is the server process's VmHWM over "
-            "the round (reset before it); above idle = peak minus the RSS before the round."), ""]
+            "the round (reset before it); above idle = peak minus the RSS before the round. CPU / request is "
+            "user + system time of the client processes (in-process: the trainer computing its own) and of "
+            "the server process, over the round, per request."), ""]
     out += _targets_md(d.get("targets", []))
     rows = []
     for r in d["records"]:
@@ -337,9 +347,11 @@ def serve_section(d: dict) -> list[str]:
                      ", ".join(f"{x:.0f}" for x in r["tokens_per_s"]), fmt_b(r.get("max_peak_rss_bytes")),
                      fmt_b(r.get("peak_above_idle_bytes")),
                      ", ".join(f"{100 * x:.0f}%" for x in util) if util else "-",
-                     ", ".join(f"{x:.1f}" for x in per_call) if per_call else "-"])
+                     ", ".join(f"{x:.1f}" for x in per_call) if per_call else "-",
+                     _median_s(r.get("client_cpu_s_per_request")), _median_s(r.get("server_cpu_s_per_request"))])
     out += _table(["provider", "tokens/s (median)", "per round", "peak server RSS", "above idle",
-                   "our engine busy", "requests per engine call"], rows)
+                   "our engine busy", "requests per engine call", "client CPU / request",
+                   "server CPU / request"], rows)
     m = d.get("memory", {})
     if m.get("first_fifth_median"):
         out += [(f"Server RSS over {s['memory_requests']} requests of 10 bucketed shapes: median "
