@@ -47,8 +47,9 @@ class ResponseStream:
 
     def begin(self, aux: torch.Tensor, probs_shape: tuple[int, ...], probs_dtype: torch.dtype,
               tail: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
-        """The body's head: magic, the aux entry whole, the target_probs header. `tail` gives the
-        (dtype, shape) of each later entry, for the size."""
+        """The body's size, then its first pieces after the magic (which `body` sends): the aux
+        entry whole and the target_probs header. `tail` gives the (dtype, shape) of each entry
+        after target_probs, for the size."""
         head = wire.entry_header("target_probs", probs_dtype, probs_shape)
         sizes = [4, len(wire.entry_header("aux_hidden_states", aux.dtype, tuple(aux.shape))),
                  aux.numel() * aux.element_size(), len(head),
