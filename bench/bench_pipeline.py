@@ -299,6 +299,10 @@ def evaluate(records: list, fp8_cost: float | None = None) -> H.Verdicts:
         if not (base and base["status"] == "ok" and r["status"] == "ok"):
             v.check(f"pipeline: {name} extraction time <= 1.05x bf16 draft", None, "a run failed")
             continue
+        if r["bytes_on_disk"] >= base["bytes_on_disk"]:  # the option did not take effect: no timing claim
+            v.check(f"pipeline ({COMPACT_ENGINE} engine): {name} writes fewer bytes than {COMPACT_BASE}", False,
+                    f"{r['bytes_on_disk']:,} vs {base['bytes_on_disk']:,} bytes: check its options in COMPACT_VARIANTS")
+            continue
         ratio = r["loop_s"] / base["loop_s"]
         v.check(f"pipeline ({COMPACT_ENGINE} engine): {name} extraction time <= 1.05x {COMPACT_BASE}'s",
                 ratio <= 1.05,
