@@ -8,8 +8,8 @@ hidden states in planned groups and hands each group's results to a destination:
 Both go through the same planner (`plan_supervision_groups`) and the same memory bound: a
 group's staged results never add more than `STAGING_BYTES` to the size of the fields being
 filled. A destination that keeps nothing (the server's `StreamedFields`, `keeps = False`)
-bounds each group by its own `staging_bytes` instead. PaddedFields copies each group into its fields (so the head returns fp32 and the copy
-rounds to out_dtype once); RowFields keeps the head's outputs as they are (the head rounds),
+bounds each group by its own `staging_bytes` instead. PaddedFields copies each group into its
+fields (so the head returns fp32 and the copy rounds to out_dtype once); RowFields keeps the head's outputs as they are (the head rounds),
 which stages nothing, so only `GROUP_TOKENS` bounds its groups.
 
 Limits: a group is one head call, and the CPU GEMM may round a row differently for another

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 
 import pytest
 import torch
@@ -110,8 +111,10 @@ def test_many_groups_and_requests_per_call_are_nemos_supervision(running, small_
     calls = running.server.batcher.stats["engine_calls"]
     work = [_batch(seed=60 + j, lengths=ls) for j, ls in enumerate(((9, 14, 1, 6), (33,), (2, 17, 15)))]
     handles = [client.generate_batch_async(*b) for b in work]
+    t0 = time.monotonic()
     while running.server.batcher._queue.qsize() < len(work):
-        threading.Event().wait(0.02)
+        assert time.monotonic() - t0 < 30, "the requests never reached the engine's queue"
+        time.sleep(0.02)
     gate.set()
     blocker.result(timeout=30)
     for (ids, am, lm), h in zip(work, handles):

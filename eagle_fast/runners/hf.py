@@ -97,6 +97,12 @@ def _share_head_weights(head: TargetHead, model: nn.Module) -> None:
             head.norm_weight = theirs.detach()
 
 
+def _switches_off(module: nn.Module) -> dict[str, bool]:
+    """The forward switches a capture turns off (KV cache, extra outputs) that `module` takes."""
+    params = inspect.signature(module.forward).parameters
+    return {n: False for n in ("use_cache", "output_hidden_states", "output_attentions") if n in params}
+
+
 def _bare_decoder(model: nn.Module, layers: list) -> tuple[nn.Module | None, dict]:
     """The causal LM's decoder (embeddings, layers, final norm; no LM head) and its forward's
     switches, or (None, {}) when the model does not expose one holding `layers`.
@@ -110,8 +116,7 @@ def _bare_decoder(model: nn.Module, layers: list) -> tuple[nn.Module | None, dic
     decoder = get() if callable(get) else None
     if decoder is None or decoder is model or not any(m is layers[-1] for m in decoder.modules()):
         return None, {}
-    params = inspect.signature(decoder.forward).parameters
-    return decoder, {n: False for n in ("use_cache", "output_hidden_states", "output_attentions") if n in params}
+    return decoder, _switches_off(decoder)
 
 
 class HFTargetRunner(RunnerBase):
@@ -163,11 +168,7 @@ class HFTargetRunner(RunnerBase):
             )
         self.max_batch_tokens = int(max_batch_tokens)
         params = inspect.signature(model.forward).parameters
-        self._extra = {
-            name: False
-            for name in ("use_cache", "output_hidden_states", "output_attentions")
-            if name in params
-        }
+        self._extra = _switches_off(model)
         self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._decoder, self._decoder_extra = _bare_decoder(model, self._layers)
         return self

@@ -50,16 +50,12 @@ class ResponseStream:
         """The body's size, then its first pieces after the magic (which `body` sends): the aux
         entry whole and the target_probs header. `tail` gives the (dtype, shape) of each entry
         after target_probs, for the size."""
-        head = wire.entry_header("target_probs", probs_dtype, probs_shape)
-        sizes = [4, len(wire.entry_header("aux_hidden_states", aux.dtype, tuple(aux.shape))),
-                 aux.numel() * aux.element_size(), len(head),
-                 probs_dtype.itemsize * int(torch.Size(probs_shape).numel())]
-        for key, (dtype, shape) in tail.items():
-            sizes += [len(wire.entry_header(key, dtype, shape)), dtype.itemsize * int(torch.Size(shape).numel())]
-        self.size = sum(sizes)
-        self._push(wire.entry_header("aux_hidden_states", aux.dtype, tuple(aux.shape)))
+        entries = {"aux_hidden_states": (aux.dtype, tuple(aux.shape)), "target_probs": (probs_dtype, probs_shape),
+                   **tail}
+        self.size = 4 + sum(wire.entry_bytes(key, dtype, shape) for key, (dtype, shape) in entries.items())
+        self._push(wire.entry_header("aux_hidden_states", *entries["aux_hidden_states"]))
         self._push(aux)
-        self._push(head)
+        self._push(wire.entry_header("target_probs", probs_dtype, probs_shape))
 
     def send(self, rows: torch.Tensor) -> None:
         """The next target_probs rows (a contiguous tensor, kept alive until sent)."""

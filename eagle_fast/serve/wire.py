@@ -5,10 +5,10 @@ UTF-8 key, flags (uint8, bit 0 = None); unless None: dtype code (uint8, `CODES`)
 ndim x int64 shape, nbytes (uint64), the raw contiguous bytes.
 
 `encoded_size` + `encode_chunks` stream a response without copying tensor data (header bytes,
-then memoryviews of each tensor's own storage); `entry_header` + `raw_bytes` let a producer send
-an entry whose data does not exist yet as a whole (`serve/stream.py`); `encode` joins them for
-small bodies; `decode`
-checks everything a client can get wrong and raises `WireError` naming it.
+then memoryviews of each tensor's own storage); `entry_header`, `entry_bytes` and `raw_bytes` let
+a producer send an entry whose data does not exist yet as a whole (`serve/stream.py`); `encode`
+joins them for small bodies; `decode` checks everything a client can get wrong and raises
+`WireError` naming it.
 Limits: CPU tensors only, as NeMo's encoder; no alignment padding (the format has none).
 """
 
@@ -66,11 +66,15 @@ def raw_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+def entry_bytes(key: str, dtype: torch.dtype | None, shape: tuple[int, ...] = ()) -> int:
+    """One entry's encoded size: its header plus its data."""
+    data = 0 if dtype is None else math.prod(int(d) for d in shape) * dtype.itemsize
+    return len(entry_header(key, dtype, shape)) + data
+
+
 def encoded_size(tensors: dict[str, torch.Tensor | None]) -> int:
-    size = _U32.size
-    for key, t in tensors.items():
-        size += len(_entry_header(key, t)) + (0 if t is None else t.numel() * t.element_size())
-    return size
+    return _U32.size + sum(entry_bytes(key, None if t is None else t.dtype, () if t is None else tuple(t.shape))
+                           for key, t in tensors.items())
 
 
 def encode_chunks(tensors: dict[str, torch.Tensor | None], chunk_bytes: int = CHUNK_BYTES
