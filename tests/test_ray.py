@@ -3,7 +3,8 @@
 One local Ray instance (2 CPUs) serves the in-process tests; the CLI runs in subprocesses start
 and stop their own, and are checked for Ray processes left behind (every process they start
 inherits a marker in its environment). All on the transformers engine and the tiny Llama, which
-are deterministic across processes, so "the same bytes" is exact: every data file identical,
+are deterministic across processes at one thread count (every engine here runs 1 torch thread,
+as each worker does), so "the same bytes" is exact: every data file identical,
 and the manifest identical but for its `runs` list (per-invocation statistics), as for resumed
 and merged runs.
 """
@@ -20,6 +21,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from _pipeline import manifest_core, mixed_jsonl, tree_digest
 
 from eagle_fast.cli import main
@@ -50,6 +52,18 @@ def assert_same_dataset(got: Path, want: Path) -> None:
     assert tree_digest(got, skip_manifest=True) == tree_digest(want, skip_manifest=True)
     assert manifest_core(got) == manifest_core(want)
     assert not [p for p in got.iterdir() if p.name.startswith(".")], "temp or probe files left"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Every engine in this module runs 1 torch thread, as each Ray worker here does (2 workers on
+    2 CPUs). On AVX2, MKL's fp32 GEMM rounds some row counts (5, 9, 10, ...) differently with
+    another thread count (measured on an AMD EPYC), so "the same bytes" is a promise for equal
+    thread counts (README, "Same bytes"), and the single-process runs here match the workers'."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

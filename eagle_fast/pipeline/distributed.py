@@ -159,8 +159,9 @@ class _ShardWorker:
         self.engine = threading.Lock()  # one shard at a time on the runner; the next waits here
         if job.threads and job.threads < (os.cpu_count() or 1):
             # A share of a node runs that many threads; a whole node keeps torch's default, as a
-            # single-machine run there does (bf16 CPU kernels can round differently with another
-            # thread count, so this keeps the bytes of one worker per node equal to a plain run's).
+            # single-machine run there does (CPU GEMMs can round differently with another thread
+            # count: bf16 ones, and fp32 ones on AVX2; so this keeps the bytes of one worker per
+            # node equal to a plain run's).
             torch.set_num_threads(job.threads)
 
     def where(self) -> dict:
