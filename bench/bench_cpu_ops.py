@@ -11,11 +11,14 @@ What it does
                      32,000-id draft vocabulary, for several [R x C] tile shapes
       call-overhead  the same call at N=64 and N=1024 rows: the fixed cost of one head call
                      (the weight is gathered, upcast and reordered once per call)
+      group-parallel `supervise` over 1024 tokens in 128-token groups (the server's): one group
+                     at a time on all torch threads vs one group per thread at once, alone and
+                     next to another process that keeps one core busy (a client, a loader)
     and writes bench/results/cpu_ops-cpu.json (rendered by report.py).
 
 Limits
     Only meaningful on the CPU it runs on: the bf16 variants need AVX512-BF16/AMX (without it
-    oneDNN's mode is the fp32 GEMM and MKL's is not run). Sizes are fixed; ~1-2 minutes on 2 cores.
+    oneDNN's mode is the fp32 GEMM and MKL's is not run). Sizes are fixed; ~2-3 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -153,13 +156,65 @@ def call_overhead(reps: int = 5) -> dict:
             "fixed_s": max(0.0, t["N=64"] - 64 * per_token)}
 
 
+class _BenchHead:
+    """What `supervise` needs of a head, over `_head_inputs`' weights."""
+
+    def __init__(self, weight, norm_w):
+        self.weight, self.norm_w = weight, norm_w
+        self.vocab_size, self.hidden_size, self.dtype = weight.shape[0], weight.shape[1], weight.dtype
+
+    def compute(self, final, outputs, *, k, draft_ids, out_dtype, impl):
+        from eagle_fast.kernels import lm_head
+
+        return lm_head(final, self.weight, self.norm_w, outputs=outputs, k=k, draft_ids=draft_ids,
+                       out_dtype=out_dtype, impl=impl)
+
+
+class _Drop:
+    """The server's kind of destination: copies, keeps nothing, groups of `staging_bytes`."""
+
+    copies, keeps, staging_bytes = True, False, 16 << 20
+
+    def put(self, pieces, values):
+        values["draft_logprobs"].exp()
+
+
+def group_parallel(reps: int = 2, tokens: int = 1024) -> dict:
+    import subprocess
+    from unittest import mock
+
+    from eagle_fast import supervision as SV
+
+    hidden, weight, norm_w, draft = _head_inputs(tokens)
+    head = _BenchHead(weight, norm_w)
+
+    def call(parallel: bool):
+        def fn():
+            with contextlib.ExitStack() as stack:
+                if not parallel:
+                    stack.enter_context(mock.patch.object(SV, "group_workers", lambda *a: 1))
+                SV.supervise(head, [hidden], ("draft",), _Drop(), draft_ids=draft, out_dtype=torch.float32)
+        return fn
+
+    variants = {"one group at a time": call(False), "a group per thread": call(True)}
+    t = {"alone": _interleaved(variants, reps)}
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        t["next to a busy process"] = _interleaved(variants, reps)
+    finally:
+        busy.kill()
+        busy.wait()
+    return {"seconds": t, "tokens": tokens, "threads": torch.get_num_threads(),
+            "speedup": {k: v["one group at a time"] / v["a group per thread"] for k, v in t.items()}}
+
+
 def run(out_dir: Path | None = None) -> dict:
     # No tame_malloc here: nothing measures memory, and forcing every block over 256 KiB
     # through mmap/munmap would add page faults to each per-chunk allocation.
     t0 = time.perf_counter()
     out = {"benchmark": "cpu_ops", "environment": H.environment("cpu"),
            "gemm_tile": gemm_tile(), "reductions": reductions(), "tile_sweep": tile_sweep(),
-           "call_overhead": call_overhead()}
+           "call_overhead": call_overhead(), "group_parallel": group_parallel()}
     out["wall_s"] = time.perf_counter() - t0
     if out_dir is not None:
         H.write_json(Path(out_dir) / "cpu_ops-cpu.json", out)
@@ -172,6 +227,10 @@ def run(out_dir: Path | None = None) -> dict:
     c = out["call_overhead"]
     print("  call: " + ", ".join(f"{k} {H.fmt_s(v)}" for k, v in c["seconds"].items())
           + f" (fixed cost per call {H.fmt_s(c['fixed_s'])})")
+    gp = out["group_parallel"]
+    print("  supervise groups: " + "; ".join(
+        f"{where}: " + ", ".join(f"{k} {H.fmt_s(v)}" for k, v in t.items()) + f" ({gp['speedup'][where]:.2f}x)"
+        for where, t in gp["seconds"].items()))
     return out
 
 

@@ -434,6 +434,14 @@ def cpu_ops_section(d: dict) -> list[str]:
                   [[k, fmt_s(v), fmt_s(c["per_token_s"][k])] for k, v in c["seconds"].items()])
     if "fixed_s" in c:
         out += [f"Fixed cost of one call (the line through both points at N=0): {fmt_s(c['fixed_s'])}.", ""]
+    gp = d.get("group_parallel")
+    if gp:
+        out += [(f"`supervise` over {gp['tokens']} tokens in 128-token head groups, {gp['threads']} torch threads: "
+                 "one group at a time on every thread, or one group per thread at once (what it does on a CPU):"), ""]
+        names = list(next(iter(gp["seconds"].values())))
+        out += _table(["machine", *names, "speedup"],
+                      [[where, *(fmt_s(t[n]) for n in names), f"{gp['speedup'][where]:.2f}x"]
+                       for where, t in gp["seconds"].items()])
     return out
 
 

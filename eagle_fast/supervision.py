@@ -8,7 +8,10 @@ hidden states in planned groups and hands each group's results to a destination:
 Both go through the same planner (`plan_supervision_groups`) and the same memory bound: a
 group's staged results never add more than `STAGING_BYTES` to the size of the fields being
 filled. A destination that keeps nothing (the server's `StreamedFields`, `keeps = False`)
-bounds each group by its own `staging_bytes` instead. PaddedFields copies each group into its
+bounds each group by its own `staging_bytes` instead. On a CPU, groups run one per torch
+thread at once (`group_workers`), each on a single thread and put in order, so up to that
+many groups' staged results exist together (the plan itself does not depend on the thread
+count). PaddedFields copies each group into its
 fields (so the head returns fp32 and the copy rounds to out_dtype once); RowFields keeps the head's outputs as they are (the head rounds),
 which stages nothing, so only `GROUP_TOKENS` bounds its groups.
 
@@ -18,8 +21,10 @@ group size; a given batch always gets the same groups.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -240,20 +245,60 @@ def supervise(
         max_tokens=GROUP_TOKENS, min_tokens=MIN_TOKENS,
     )  # fmt: skip
     last_use = {b: g for g, pieces in enumerate(groups) for b, _, _ in pieces}
-    for g, pieces in enumerate(groups):
-        parts = [finals[b][a:c] for b, a, c in pieces]
+
+    def group_input(g: int) -> torch.Tensor:
+        parts = [finals[b][a:c] for b, a, c in groups[g]]
         final = torch.cat(parts) if len(parts) > 1 else parts[0]
-        del parts
-        for b, _, _ in pieces:
+        for b, _, _ in groups[g]:
             if last_use[b] == g:
                 finals[b] = None
+        return final
+
+    def compute(final: torch.Tensor) -> dict[str, torch.Tensor]:
         values = head.compute(
             final, head_outputs, k=k, draft_ids=draft_ids, out_dtype=head_dtype, impl=impl
         ).as_dict()
         if with_hidden:
             values["hidden"] = final
-        into.put(pieces, values)
-        del values, final
+        return values
+
+    workers = group_workers(finals, len(groups), impl)
+    if workers == 1:
+        for g, pieces in enumerate(groups):
+            into.put(pieces, compute(group_input(g)))
+        return
+    # CPU: `workers` groups at once, each on one thread, put in order. The head's tile loop is
+    # many small ops, and one OpenMP team over the whole CPU waits at every op's barrier, the
+    # more so when another process takes a core (the server's client, a data loader):
+    # `bench/bench_cpu_ops.py` "group-parallel" measured 1.66x alone and 3.1x next to a busy
+    # process on a 2-core AMD EPYC. The window holds `workers` groups' results at most.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="eagle-fast-head",
+                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            pending = collections.deque(pool.submit(compute, group_input(g)) for g in range(workers))
+            for g, pieces in enumerate(groups):
+                values = pending.popleft().result()
+                into.put(pieces, values)
+                del values
+                if g + workers < len(groups):
+                    pending.append(pool.submit(compute, group_input(g + workers)))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def group_workers(finals: Sequence[torch.Tensor | None], n_groups: int, impl: str) -> int:
+    """How many head groups `supervise` computes at once: torch's thread count on a CPU (one
+    thread each), 1 on CUDA, for the Triton interpreter, while a `PhaseClock` times the phases,
+    or for a single group (which keeps the whole CPU's threads)."""
+    from eagle_fast.kernels._common import PhaseClock
+
+    first = next((f for f in finals if f is not None), None)
+    if (first is None or first.device.type != "cpu" or impl not in ("auto", "torch") or n_groups < 2
+            or PhaseClock.active is not None):
+        return 1
+    return max(1, min(torch.get_num_threads(), n_groups))
 
 
 def bytes_per_token(

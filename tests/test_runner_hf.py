@@ -187,6 +187,8 @@ def test_supervision_out_dtype_and_groups_equal_the_head(hf_llama, out_dtype, pl
             for name, value in plan.items():
                 stack.enter_context(mock.patch.object(supervision, name, value))
             stack.enter_context(mock.patch.object(hf_llama.head, "compute", counted))
+            # one group at a time, so `calls` is in group order (parallel groups: below)
+            stack.enter_context(mock.patch.object(supervision, "group_workers", lambda *a: 1))
             sup = hf_llama.forward_eagle3_supervision(
                 ids, mask, outputs=outputs, draft_ids=draft_ids, k=4, out_dtype=out_dtype
             )

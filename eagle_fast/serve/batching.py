@@ -36,10 +36,11 @@ from eagle_fast.supervision import _shift_left, supervise
 logger = logging.getLogger(__name__)
 _STOP = object()
 # Head groups of a streamed response: at most this many bytes of fp32 draft results per group
-# (256 tokens at a 32k draft). Each group is one head call, which streams the whole LM-head
-# weight (a fixed cost, `bench/bench_cpu_ops.py` "call-overhead"); the response's memory in the
-# server is about one group per request in flight.
-STREAM_GROUP_BYTES = 32 << 20
+# (128 tokens at a 32k draft). Each group is one head call, which streams the whole LM-head
+# weight (a fixed cost, `bench/bench_cpu_ops.py` "call-overhead"); on a CPU `supervise` runs
+# one group per torch thread at once, so the response's memory in the server is about that
+# many groups per engine call.
+STREAM_GROUP_BYTES = 16 << 20
 
 
 class EngineUnavailable(RuntimeError):

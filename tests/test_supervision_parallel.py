@@ -1,0 +1,107 @@
+"""On a CPU, `supervise` computes one head group per torch thread at once (each on one thread).
+
+- Every destination gets the sequential path's bits: padded fields (in-process supervision),
+  per-row fields (the extraction, whose row parts are joined in put order) and the server's
+  streamed fields; the head really ran groups concurrently; torch's thread count is restored.
+- A group that raises fails the call with its own error, and the thread count is restored.
+- One group, CUDA-less interpreter runs and a running `PhaseClock` stay sequential.
+"""
+
+from __future__ import annotations
+
+import threading
+from unittest import mock
+
+import pytest
+import torch
+from _runner_helpers import draft_vocab, make_batch, rows
+
+from eagle_fast import supervision as SV
+from eagle_fast.kernels._common import PhaseClock
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+class Recorder:
+    """Wraps head.compute: which threads ran it, and the most calls running at once."""
+
+    def __init__(self, head, fail_at: int | None = None):
+        self.threads, self.running, self.most, self.calls = set(), 0, 0, 0
+        self.fail_at, self._lock, self._compute = fail_at, threading.Lock(), head.compute
+        self.both_in = threading.Barrier(2, timeout=5)
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.threads.add(threading.get_ident())
+        try:
+            if call <= 2:  # the first two groups meet: they run at the same time, or this times out
+                self.both_in.wait()
+            if call == self.fail_at:
+                raise RuntimeError("injected head fault")
+            assert torch.get_num_threads() == 1, "a parallel group runs more than one thread"
+            return self._compute(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def _finals(hf_llama, ids, mask):
+    return [f for _, f in hf_llama.capture(rows(ids, mask))]
+
+
+def test_parallel_groups_give_the_sequential_bits(hf_llama, two_threads):
+    ids, mask = make_batch(lengths=(40, 33, 1, 50), seed=3)
+    draft_ids = draft_vocab()
+    kw = dict(outputs=("draft", "topk", "lse"), draft_ids=draft_ids, k=4, out_dtype=torch.float32)
+    with mock.patch.object(SV, "GROUP_TOKENS", 16), mock.patch.object(SV, "group_workers", lambda *a: 1):
+        want = hf_llama.forward_eagle3_supervision(ids, mask, **kw)
+        want_rows = SV.RowFields(4)
+        SV.supervise(hf_llama.head, _finals(hf_llama, ids, mask), kw["outputs"], want_rows,
+                     draft_ids=draft_ids, k=4, out_dtype=torch.bfloat16)
+    rec = Recorder(hf_llama.head)
+    with mock.patch.object(SV, "GROUP_TOKENS", 16), mock.patch.object(hf_llama.head, "compute", rec):
+        got = hf_llama.forward_eagle3_supervision(ids, mask, **kw)
+        got_rows = SV.RowFields(4)
+        SV.supervise(hf_llama.head, _finals(hf_llama, ids, mask), kw["outputs"], got_rows,
+                     draft_ids=draft_ids, k=4, out_dtype=torch.bfloat16)
+    assert rec.most == 2 and len(rec.threads) == 2, (rec.most, rec.threads)
+    assert torch.get_num_threads() == 2
+    for name in ("draft_logprobs", "argmax_in_draft", "argmax", "lse", "topk_ids", "topk_logprobs", "topk_tail",
+                 "aux_hidden_states"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    for g, w in zip(got_rows.rows(), want_rows.rows()):
+        assert g.keys() == w.keys()
+        for name in w:
+            assert torch.equal(g[name], w[name]), name
+
+
+def test_a_failing_group_fails_the_call_and_restores_the_threads(hf_llama, two_threads):
+    ids, mask = make_batch(lengths=(40, 33), seed=5)
+    rec = Recorder(hf_llama.head, fail_at=2)
+    with mock.patch.object(SV, "GROUP_TOKENS", 16), mock.patch.object(hf_llama.head, "compute", rec), \
+            pytest.raises(RuntimeError, match="injected head fault"):
+        hf_llama.forward_eagle3_supervision(ids, mask, outputs=("draft",), draft_ids=draft_vocab(),
+                                            out_dtype=torch.float32)
+    assert torch.get_num_threads() == 2
+
+
+def test_when_groups_stay_sequential(two_threads):
+    cpu = [torch.zeros(3, 4)]
+    assert SV.group_workers(cpu, 5, "auto") == 2 and SV.group_workers(cpu, 5, "torch") == 2
+    assert SV.group_workers(cpu, 1, "auto") == 1  # one group keeps every thread
+    assert SV.group_workers(cpu, 5, "triton") == 1  # the interpreter patches triton globally
+    assert SV.group_workers([None, None], 5, "auto") == 1
+    with PhaseClock():
+        assert SV.group_workers(cpu, 5, "auto") == 1  # the phase timings stay one call's
+    torch.set_num_threads(1)
+    assert SV.group_workers(cpu, 5, "auto") == 1
