@@ -13,7 +13,9 @@ What it does
                      `serve` from `eagle/remote/server.py`, `HFEagle3TargetModel`, what
                      `serve_target --engine hf` runs)
     then 200 requests against our server (10 bucketed shapes in random order, fresh tokens each
-    time, as a trainer sends), reading its RSS after each one.
+    time, as a trainer sends), reading its RSS after each one; and "wire": the CPU requests
+    (NeMo's client's HTTP library) spends reading one fp32 response's bytes (262 MB at 2 x 1024
+    x 32k) from a bare uvicorn app, with a Content-Length and chunked, interleaved.
     tokens/s = real (attention-mask) tokens / wall time of the round's requests; peak server
     memory = the server process's VmHWM over the round (reset through /proc/PID/clear_refs).
 
@@ -130,6 +132,70 @@ def nemo_server_main(model: str, port: int) -> None:
     net.requires_grad_(False)
     target = HFEagle3TargetModel(net, aux_layer_ids=AUX_LAYER_IDS)
     serve(TargetModelServer(target, nccl_port=port + 100, host="127.0.0.1"), "127.0.0.1", port)
+
+
+def wire_server_main(port: int, nbytes: int) -> None:
+    """A bare uvicorn app: POST /length and /chunked answer `nbytes` zero bytes in 8 MiB pieces,
+    with a Content-Length and without one (uvicorn then sends chunks)."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    piece = memoryview(bytes(8 << 20))
+    app = FastAPI()
+
+    async def body():
+        for start in range(0, nbytes, len(piece)):
+            yield piece[: min(len(piece), nbytes - start)]
+
+    @app.post("/length")
+    async def length():
+        return StreamingResponse(body(), headers={"content-length": str(nbytes)})
+
+    @app.post("/chunked")
+    async def chunked():
+        return StreamingResponse(body())
+
+    uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")).run()
+
+
+def wire_cost(nbytes: int, rounds: int = 3) -> dict:
+    """Client CPU seconds (this process, requests' `resp.content`, as NeMo's client reads) per
+    body of `nbytes`, by framing, interleaved `rounds` times; the median of each."""
+    import requests
+
+    port = _free_port()
+    server = _spawn([__file__, "--wire-server", str(port), str(nbytes)])
+    try:
+        _wait_up_any(f"http://127.0.0.1:{port}", server)
+        session = requests.Session()
+        session.trust_env = False
+        cpu = {"length": [], "chunked": []}
+        for _ in range(rounds):
+            for framing in cpu:
+                c0 = _cpu_seconds("self")
+                got = len(session.post(f"http://127.0.0.1:{port}/{framing}", data=b"", timeout=120).content)
+                cpu[framing].append(_cpu_seconds("self") - c0)
+                assert got == nbytes, (framing, got)
+    finally:
+        server.terminate()
+        server.wait(30)
+    return {"bytes": nbytes, "client_cpu_s": cpu, "median_s": {k: _median(v) for k, v in cpu.items()}}
+
+
+def _wait_up_any(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    import requests
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server {url} exited with {proc.returncode}")
+        try:
+            requests.post(url + "/length", timeout=2, stream=True).close()
+            return
+        except requests.ConnectionError:
+            time.sleep(0.2)
+    raise RuntimeError(f"server {url} not up after {timeout} s")
 
 
 def client_main(inproc_model: str | None = None) -> None:
@@ -355,6 +421,7 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
                      "nemo": "nemo_automodel 0.7.0 TargetModelServer + HFEagle3TargetModel (fp32, CPU)",
                      "memory_requests": MEM_REQUESTS, "server_exit_codes": rcs, "server_health": health},
            "records": list(records.values()), "memory": memory, "cross_check": check,
+           "wire": wire_cost(REQ_B * REQ_S * int(sel.numel()) * 4),
            "wall_s": time.perf_counter() - t_start}
     out["targets"] = evaluate(out).lines
     if out_dir is not None:
@@ -437,7 +504,11 @@ def main(argv=None) -> int:
     ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--inproc", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--nemo-server", nargs=2, metavar=("MODEL", "PORT"), help=argparse.SUPPRESS)
+    ap.add_argument("--wire-server", nargs=2, type=int, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.wire_server:
+        wire_server_main(*a.wire_server)
+        return 0
     if a.client:
         client_main(a.inproc)
         return 0

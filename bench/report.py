@@ -360,6 +360,13 @@ def serve_section(d: dict) -> list[str]:
     if d.get("cross_check"):
         out += ["Cross-check: " + ", ".join(
             f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}" for k, v in d["cross_check"].items()), ""]
+    w = d.get("wire")
+    if w:
+        med = w["median_s"]
+        out += [(f"Wire: the CPU requests (NeMo's client's HTTP library) spends reading one response's "
+                 f"{fmt_b(w['bytes'])} from a bare uvicorn app, median of {len(w['client_cpu_s']['length'])} "
+                 f"interleaved: {med['length']:.2f} s with a Content-Length, {med['chunked']:.2f} s chunked "
+                 f"({med['chunked'] / med['length']:.2f}x; ours sends chunks)."), ""]
     return out
 
 

@@ -4,7 +4,7 @@
   third group on, a raw client already reads the aux entry and the first group's probabilities.
 - Responses made of many head groups (pieces that split rows, rows that end inside a group,
   several requests in one engine call) are still exactly NeMo's in-process supervision.
-- A head failure after the body has begun closes the connection short of its Content-Length:
+- A head failure after the body has begun closes the connection before the body's last chunk:
   NeMo's client raises for that request (never partial data), and the next request rebuilds
   the engine and succeeds.
 """
@@ -21,7 +21,9 @@ from test_serve import Running, _as_dict, _batch, _check, _generate_body, _mappi
 
 requests = pytest.importorskip("requests")
 
+from eagle_fast.serve import wire
 from eagle_fast.serve.batching import StreamedFields
+from eagle_fast.serve.protocol import SUPERVISION_KEYS
 from eagle_fast.supervision import GROUP_TOKENS, MIN_TOKENS, plan_supervision_groups
 
 
@@ -70,13 +72,24 @@ def _runner(running):
     return running.server.batcher.call(lambda runner: runner).result(timeout=60)
 
 
-def _read_entry_header(raw) -> tuple[str, list[int], int]:
-    """(key, shape, nbytes) of the next wire entry, read from a streamed body."""
-    key = raw.read(struct.unpack("<I", raw.read(4))[0]).decode()
-    flags, _code, ndim = raw.read(3)
-    assert flags == 0, key
-    shape = list(struct.unpack(f"<{ndim}q", raw.read(8 * ndim)))
-    return key, shape, struct.unpack("<Q", raw.read(8))[0]
+class Body:
+    """A streamed response body read piece by piece; `seen` keeps every byte read."""
+
+    def __init__(self, raw):
+        self.raw, self.seen = raw, bytearray()
+
+    def read(self, n: int | None = None) -> bytes:
+        piece = self.raw.read(n)
+        self.seen += piece
+        return piece
+
+    def entry_header(self) -> tuple[str, list[int], int]:
+        """(key, shape, nbytes) of the next wire entry."""
+        key = self.read(struct.unpack("<I", self.read(4))[0]).decode()
+        flags, _code, ndim = self.read(3)
+        assert flags == 0, key
+        shape = list(struct.unpack(f"<{ndim}q", self.read(8 * ndim)))
+        return key, shape, struct.unpack("<Q", self.read(8))[0]
 
 
 def test_the_body_begins_before_the_head_has_finished(running, small_groups):
@@ -93,19 +106,21 @@ def test_the_body_begins_before_the_head_has_finished(running, small_groups):
         assert gate.held.wait(30), "the head never reached its third group"
         # all of this was computed before the held group: each read blocks (and times out,
         # failing the test) unless the server sent it while the head was still running
-        assert struct.unpack("<I", r.raw.read(4))[0] == 0x4E4D4554
-        key, shape, nbytes = _read_entry_header(r.raw)
+        body = Body(r.raw)
+        assert struct.unpack("<I", body.read(4))[0] == 0x4E4D4554
+        key, shape, nbytes = body.entry_header()
         assert key == "aux_hidden_states" and shape[:2] == list(ids.shape)
-        assert len(r.raw.read(nbytes)) == nbytes
-        key, shape, nbytes = _read_entry_header(r.raw)
+        assert len(body.read(nbytes)) == nbytes
+        key, shape, nbytes = body.entry_header()
         assert key == "target_probs" and shape == [*ids.shape, selected.numel()]
-        row = torch.frombuffer(bytearray(r.raw.read(4 * selected.numel())), dtype=torch.float32)
+        row = torch.frombuffer(bytearray(body.read(4 * selected.numel())), dtype=torch.float32)
         assert abs(float(row.sum()) - 1.0) < 1e-4, "the first slot's probabilities do not sum to one"
         assert not gate.release.is_set() and gate.returned < n_groups  # the head has not finished
     finally:
         gate.release.set()
-    r.raw.read()
-    assert r.raw.tell() == int(r.headers["content-length"])
+    body.read()
+    # the whole blob came, and nothing after it
+    assert list(wire.decode(bytes(body.seen))) == list(SUPERVISION_KEYS)
     assert gate.calls == n_groups
     client.close()
 

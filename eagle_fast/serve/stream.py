@@ -1,8 +1,9 @@
 """One `generate` response, sent while the engine thread still computes it.
 
-A response is NeMo's wire blob of `SUPERVISION_KEYS`. Its size is known from the request's
-shapes, so it goes out with a Content-Length, and its largest entry, `target_probs [B, S, Vd]`,
-is row-major: the engine hands over each head group's rows as soon as they are computed and
+A response is NeMo's wire blob of `SUPERVISION_KEYS`, sent with chunked transfer encoding
+(`app.py` says why). Its size is known from the request's shapes (`size`, checked against what
+was sent before the last chunk goes out), and its largest entry, `target_probs [B, S, Vd]`, is
+row-major: the engine hands over each head group's rows as soon as they are computed and
 the event loop sends them, so the transfer overlaps the rest of the head pass and a response
 never exists whole in the server (about one head group per request in flight, instead of
 B * S * Vd probabilities).
@@ -14,7 +15,7 @@ B * S * Vd probabilities).
 network (no back-pressure: a slow client holds at most its own response).
 
 Limits: once the body has started, a failure can no longer become an HTTP status: `body()`
-raises, the server closes the connection short of its Content-Length, and the client gets an
+raises, the server closes the connection without the body's last chunk, and the client gets an
 error for that request (NeMo's client: requests' ChunkedEncodingError), never partial data.
 """
 
@@ -99,6 +100,6 @@ class ResponseStream:
                     yield piece
                 raw = piece = item = None  # the rows are sent: their memory may go while we wait
             if sent != self.size:
-                raise RuntimeError(f"response body is {sent} bytes, its Content-Length {self.size}")
+                raise RuntimeError(f"response body is {sent} bytes, its shapes make {self.size}")
         finally:
             self.closed = True
