@@ -32,7 +32,8 @@ Limits
     oneDNN keeps per-shape state for every new GEMM shape (about 0.6 MB for a bf16 linear here,
     nothing on a repeated shape), so RSS grows with the number of DISTINCT request shapes; the
     memory check uses a trainer's bucketed shapes, and a run of random shapes is not flat.
-    Sizes: EAGLE_FAST_BENCH_SERVE_B / _S (per request), _N (requests per client per round).
+    Sizes: EAGLE_FAST_BENCH_SERVE_B / _S (per request), _N (requests per client per round);
+    _DTYPE: ours' model dtype (default: bf16 with a hardware bf16 GEMM, else fp32).
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ AUX_LAYER_IDS = [0, 1, 2]
 
 def _model_dtype() -> str:
     """The model dtype ours runs in (server and in-process alike): bf16 where the CPU has a bf16
-    GEMM in hardware, fp32 on an AVX2-only CPU, where bf16 is emulated (the tiny model's capture
-    of 2 x 1024 tokens: 0.96 s in bf16, 0.23 s in fp32 on an AMD EPYC); what a user there runs."""
+    GEMM in hardware, fp32 on an AVX2-only CPU, where bf16 GEMMs are emulated: what a user there
+    runs. EAGLE_FAST_BENCH_SERVE_DTYPE=bf16|fp32 forces one."""
     forced = os.environ.get("EAGLE_FAST_BENCH_SERVE_DTYPE")
     if forced:
         return forced

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from eagle_fast.dtypes import NUMPY_TWINS
-from eagle_fast.kernels._common import LSE_OUTPUTS, OUT_DTYPE_FIELDS
+from eagle_fast.kernels._common import LSE_OUTPUTS, OUT_DTYPE_FIELDS, PhaseClock
 
 # Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
 HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft", "draft_topk")
@@ -292,8 +292,6 @@ def group_workers(finals: Sequence[torch.Tensor | None], n_groups: int, impl: st
     """How many head groups `supervise` computes at once: torch's thread count on a CPU (one
     thread each), 1 on CUDA, for the Triton interpreter, while a `PhaseClock` times the phases,
     or for a single group (which keeps the whole CPU's threads)."""
-    from eagle_fast.kernels._common import PhaseClock
-
     first = next((f for f in finals if f is not None), None)
     if (first is None or first.device.type != "cpu" or impl not in ("auto", "torch") or n_groups < 2
             or PhaseClock.active is not None):

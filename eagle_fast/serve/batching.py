@@ -126,7 +126,9 @@ class StreamedFields:
         self._loss_next = [r.loss_mask[:, 1:].bool() for r in requests]
 
     def put(self, pieces: list[tuple[int, int, int]], values: dict[str, torch.Tensor]) -> None:
-        probs = values["draft_logprobs"].float().exp_()
+        # popped: once the columns are picked, the head's own [n, Vd] buffer is freed here, not
+        # when the caller drops the group's values
+        probs = values.pop("draft_logprobs").float().exp_()
         if self.mapping.columns is not None:
             probs = probs.index_select(1, self.mapping.columns.to(probs.device))
         probs = probs.to(device="cpu", dtype=self.probs_dtype)

@@ -31,7 +31,9 @@ CODES: dict[int, torch.dtype] = {
 CODE_OF = {dtype: code for code, dtype in CODES.items()}
 _U32, _U8, _I64, _U64 = struct.Struct("<I"), struct.Struct("<B"), struct.Struct("<q"), struct.Struct("<Q")
 _NONE = 0x01
-CHUNK_BYTES = 8 << 20  # streamed response pieces: bounds the socket buffer's copy of a body
+# Streamed response pieces: bounds the server's copies of a body in flight (uvicorn joins each
+# chunk with its framing, and the transport buffers what the socket does not take at once).
+CHUNK_BYTES = 1 << 20
 
 
 class WireError(UserError):
