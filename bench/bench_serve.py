@@ -137,7 +137,7 @@ def nemo_server_main(model: str, port: int) -> None:
 
 def wire_server_main(port: int, nbytes: int) -> None:
     """A bare uvicorn app: POST /length and /chunked answer `nbytes` zero bytes in 8 MiB pieces,
-    with a Content-Length and without one (uvicorn then sends chunks)."""
+    with a Content-Length and without one (uvicorn then sends chunks); GET /health for `_wait_up`."""
     import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
@@ -148,6 +148,10 @@ def wire_server_main(port: int, nbytes: int) -> None:
     async def body():
         for start in range(0, nbytes, len(piece)):
             yield piece[: min(len(piece), nbytes - start)]
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
 
     @app.post("/length")
     async def length():
@@ -168,7 +172,7 @@ def wire_cost(nbytes: int, rounds: int = 3) -> dict:
     port = _free_port()
     server = _spawn([__file__, "--wire-server", str(port), str(nbytes)])
     try:
-        _wait_up_any(f"http://127.0.0.1:{port}", server)
+        _wait_up(f"http://127.0.0.1:{port}", server, timeout=60)
         session = requests.Session()
         session.trust_env = False
         cpu = {"length": [], "chunked": []}
@@ -182,21 +186,6 @@ def wire_cost(nbytes: int, rounds: int = 3) -> dict:
         server.terminate()
         server.wait(30)
     return {"bytes": nbytes, "client_cpu_s": cpu, "median_s": {k: _median(v) for k, v in cpu.items()}}
-
-
-def _wait_up_any(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
-    import requests
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited with {proc.returncode}")
-        try:
-            requests.post(url + "/length", timeout=2, stream=True).close()
-            return
-        except requests.ConnectionError:
-            time.sleep(0.2)
-    raise RuntimeError(f"server {url} not up after {timeout} s")
 
 
 def client_main(inproc_model: str | None = None) -> None:
