@@ -270,7 +270,7 @@ def supervise(
     # CPU: `workers` groups at once, each on one thread, put in order. The head's tile loop is
     # many small ops, and one OpenMP team over the whole CPU waits at every op's barrier, the
     # more so when another process takes a core (the server's client, a data loader):
-    # `bench/bench_cpu_ops.py` "group-parallel" measured 1.66x alone and 3.1x next to a busy
+    # `bench/bench_cpu_ops.py` "group-parallel" measured 1.48x alone and 2.97x next to a busy
     # process on a 2-core AMD EPYC. The window holds `workers` groups' results at most.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

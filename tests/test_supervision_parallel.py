@@ -4,7 +4,8 @@
   per-row fields (the extraction, whose row parts are joined in put order) and the server's
   streamed fields; the head really ran groups concurrently; torch's thread count is restored.
 - A group that raises fails the call with its own error, and the thread count is restored.
-- One group, CUDA-less interpreter runs and a running `PhaseClock` stay sequential.
+- One group, an explicit Triton impl (the interpreter on a CPU), CUDA-less inputs gone (all
+  None), one torch thread and a running `PhaseClock` stay sequential.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ A response is NeMo's wire blob of `SUPERVISION_KEYS`, sent with chunked transfer
 was sent before the last chunk goes out), and its largest entry, `target_probs [B, S, Vd]`, is
 row-major: the engine hands over each head group's rows as soon as they are computed and
 the event loop sends them, so the transfer overlaps the rest of the head pass and a response
-never exists whole in the server (about one head group per request in flight, instead of
-B * S * Vd probabilities).
+never exists whole in the server (about one head group per torch thread in flight, instead
+of B * S * Vd probabilities).
 
 `ResponseStream` is the hand-over. The engine thread calls `begin(aux, shape)`, then `send`
 (tensor rows) / `send_zeros` (the slots no token follows) in body order, then
