@@ -68,6 +68,9 @@ def _model_dtype() -> str:
     runs. EAGLE_FAST_BENCH_SERVE_DTYPE=bf16|fp32 forces one."""
     forced = os.environ.get("EAGLE_FAST_BENCH_SERVE_DTYPE")
     if forced:
+        if forced not in ("bf16", "fp32"):
+            raise SystemExit(f"EAGLE_FAST_BENCH_SERVE_DTYPE={forced!r} is not bf16 or fp32: set one of them, "
+                             "or unset it for the CPU's default")
         return forced
     from eagle_fast.kernels import _cpu
 
