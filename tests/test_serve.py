@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -390,3 +391,39 @@ def test_cli_sigterm_drains_the_request_in_flight_and_stops_the_engine(tiny_llam
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the server runs the Triton head")
+def test_cli_hf_server_on_a_cpu_maps_no_triton_and_serves_nemos_supervision(tiny_llama, nemo_reference):
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed: nothing to keep out")
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle_fast", "serve", "--model", str(tiny_llama), "--engine", "hf",
+         "--aux-layers", AUX, "--port", str(port)],
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, timeout=120, proc=proc)
+        client = nemo_remote.RemoteEagle3TargetModel([url], device="cpu", max_retries=0)
+        selected, mask = _mapping(seed=8)
+        client.set_vocab_mapping(selected, mask)
+        ids, am, lm = _batch(seed=43)
+        _check(_as_dict(client.generate_batch(ids, am, lm)), nemo_reference(selected, mask, ids, am, lm), am,
+               name="cli hf")
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()  # the engine and transformers are loaded by now
+        assert "libtorch_cpu" in maps and "libtriton" not in maps, "the CPU hf server mapped libtriton"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def test_keep_triton_out_leaves_vllm_and_a_loaded_triton_alone(monkeypatch):
+    from eagle_fast.serve.app import keep_triton_out
+
+    monkeypatch.delitem(sys.modules, "triton", raising=False)
+    assert keep_triton_out("vllm") is False and "triton" not in sys.modules
+    loaded = object()
+    monkeypatch.setitem(sys.modules, "triton", loaded)
+    assert keep_triton_out("hf") is False and sys.modules["triton"] is loaded

@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -324,11 +325,26 @@ def return_freed_memory(mmap_threshold: int = 256 << 10) -> bool:
         return False
 
 
+def keep_triton_out(engine: str) -> bool:
+    """Keep Triton out of this process when it serves on a CPU with the transformers engine
+    (process-wide; before the engine is built). Nothing there runs Triton (the CPU head is
+    PyTorch), but torch._dynamo, which transformers imports, imports `triton` whenever the
+    package is installed, and libtriton's code then stays resident: tens of MB of the server's
+    peak memory (`bench/bench_serve.py`) for nothing. A None in sys.modules makes `import triton` raise ImportError and
+    `importlib.util.find_spec("triton")` answer None, so torch and transformers treat it as
+    absent. Not for vLLM, which imports Triton on every device, nor for CUDA (the head's kernel)."""
+    if engine != "hf" or torch.cuda.is_available() or "triton" in sys.modules:
+        return False
+    sys.modules["triton"] = None
+    return True
+
+
 def serve(cfg: ServeConfig) -> int:
     """The CLI's entry: resolve the settings (UserError on a bad one), then serve (a dedicated
-    process: its malloc is told to return freed memory)."""
+    process: its malloc is told to return freed memory, and a CPU hf server loads no Triton)."""
     server = TargetServer(cfg)
     return_freed_memory()
+    keep_triton_out(server.engine_name)
     server.run()
     return 0
 
