@@ -13,9 +13,10 @@ What it does
                      `serve` from `eagle/remote/server.py`, `HFEagle3TargetModel`, what
                      `serve_target --engine hf` runs)
     then 200 requests against our server (10 bucketed shapes in random order, fresh tokens each
-    time, as a trainer sends), reading its RSS after each one; and "wire": the CPU requests
-    (NeMo's client's HTTP library) spends reading one fp32 response's bytes (262 MB at 2 x 1024
-    x 32k) from a bare uvicorn app, with a Content-Length and chunked, interleaved.
+    time, as a trainer sends), reading its RSS after each one; and "wire": the CPU one fp32
+    response's bytes (262 MB at 2 x 1024 x 32k) cost the client (requests, NeMo's client's HTTP
+    library) and a bare uvicorn app with our server's malloc settings, by framing (a
+    Content-Length, chunked) and piece size, interleaved.
     tokens/s = real (attention-mask) tokens / wall time of the round's requests; peak server
     memory = the server process's VmHWM over the round (reset through /proc/PID/clear_refs).
 
@@ -138,38 +139,45 @@ def nemo_server_main(model: str, port: int) -> None:
     serve(TargetModelServer(target, nccl_port=port + 100, host="127.0.0.1"), "127.0.0.1", port)
 
 
+WIRE_VARIANTS = {  # name: (framing, bytes per piece the app yields)
+    "length-1MiB": ("length", 1 << 20), "chunked-1MiB": ("chunked", 1 << 20), "chunked-128KiB": ("chunked", 128 << 10)}
+
+
 def wire_server_main(port: int, nbytes: int) -> None:
-    """A bare uvicorn app: POST /length and /chunked answer `nbytes` zero bytes in 8 MiB pieces,
-    with a Content-Length and without one (uvicorn then sends chunks); GET /health for `_wait_up`."""
+    """A bare uvicorn app with our server's malloc settings: POST /{framing}/{piece} answers
+    `nbytes` zero bytes in pieces of `piece` bytes, with a Content-Length ("length") or chunked
+    (uvicorn frames each piece, joining it with its size line into a new bytes object); GET
+    /health for `_wait_up`."""
     import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
-    piece = memoryview(bytes(8 << 20))
-    app = FastAPI()
+    from eagle_fast.serve.app import return_freed_memory
 
-    async def body():
-        for start in range(0, nbytes, len(piece)):
-            yield piece[: min(len(piece), nbytes - start)]
+    return_freed_memory()
+    zeros = memoryview(bytes(max(piece for _, piece in WIRE_VARIANTS.values())))
+    app = FastAPI()
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
-    @app.post("/length")
-    async def length():
-        return StreamingResponse(body(), headers={"content-length": str(nbytes)})
+    @app.post("/{framing}/{piece}")
+    async def send(framing: str, piece: int):
+        async def body():
+            for start in range(0, nbytes, piece):
+                yield zeros[: min(piece, nbytes - start)]
 
-    @app.post("/chunked")
-    async def chunked():
-        return StreamingResponse(body())
+        headers = {"content-length": str(nbytes)} if framing == "length" else None
+        return StreamingResponse(body(), headers=headers)
 
     uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")).run()
 
 
-def wire_cost(nbytes: int, rounds: int = 3) -> dict:
-    """Client CPU seconds (this process, requests' `resp.content`, as NeMo's client reads) per
-    body of `nbytes`, by framing, interleaved `rounds` times; the median of each."""
+def wire_cost(nbytes: int, rounds: int = 15) -> dict:
+    """CPU seconds per body of `nbytes`, by framing and piece size (`WIRE_VARIANTS`): the client's
+    (this process, requests' `resp.content`, as NeMo's client reads) and the server's (the app's
+    process); the variants interleaved `rounds` times, the median of each."""
     import requests
 
     port = _free_port()
@@ -178,17 +186,21 @@ def wire_cost(nbytes: int, rounds: int = 3) -> dict:
         _wait_up(f"http://127.0.0.1:{port}", server, timeout=60)
         session = requests.Session()
         session.trust_env = False
-        cpu = {"length": [], "chunked": []}
+        cpu = {name: {"client_cpu_s": [], "server_cpu_s": []} for name in WIRE_VARIANTS}
         for _ in range(rounds):
-            for framing in cpu:
-                c0 = _cpu_seconds("self")
-                got = len(session.post(f"http://127.0.0.1:{port}/{framing}", data=b"", timeout=120).content)
-                cpu[framing].append(_cpu_seconds("self") - c0)
-                assert got == nbytes, (framing, got)
+            for name, (framing, piece) in WIRE_VARIANTS.items():
+                c0, s0 = _cpu_seconds("self"), _cpu_seconds(server.pid)
+                got = len(session.post(f"http://127.0.0.1:{port}/{framing}/{piece}", timeout=120).content)
+                cpu[name]["client_cpu_s"].append(_cpu_seconds("self") - c0)
+                cpu[name]["server_cpu_s"].append(_cpu_seconds(server.pid) - s0)
+                assert got == nbytes, (name, got)
     finally:
         server.terminate()
         server.wait(30)
-    return {"bytes": nbytes, "client_cpu_s": cpu, "median_s": {k: _median(v) for k, v in cpu.items()}}
+    return {"bytes": nbytes, "rounds": rounds,
+            "variants": {name: {"framing": framing, "piece_bytes": piece, **cpu[name],
+                                **{f"median_{k}": _median(v) for k, v in cpu[name].items()}}
+                         for name, (framing, piece) in WIRE_VARIANTS.items()}}
 
 
 def client_main(inproc_model: str | None = None) -> None:

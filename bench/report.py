@@ -361,7 +361,15 @@ def serve_section(d: dict) -> list[str]:
         out += ["Cross-check: " + ", ".join(
             f"{k} = {v:.3g}" if isinstance(v, float) else f"{k} = {v}" for k, v in d["cross_check"].items()), ""]
     w = d.get("wire")
-    if w:
+    if w and "variants" in w:
+        out += [(f"Wire: CPU seconds per response of {fmt_b(w['bytes'])} from a bare uvicorn app with the server's "
+                 f"malloc settings, read by `requests` as NeMo's client reads it; median of {w['rounds']} "
+                 "interleaved (ours sends chunks of `wire.CHUNK_BYTES`)."), ""]
+        out += _table(["framing, piece", "client CPU", "server CPU", "both"],
+                      [[f"`{name}`", f"{v['median_client_cpu_s']:.2f} s", f"{v['median_server_cpu_s']:.2f} s",
+                        f"{v['median_client_cpu_s'] + v['median_server_cpu_s']:.2f} s"]
+                       for name, v in w["variants"].items()])
+    elif w:  # results written before the server's CPU was measured
         med = w["median_s"]
         out += [(f"Wire: the CPU requests (NeMo's client's HTTP library) spends reading one response's "
                  f"{fmt_b(w['bytes'])} from a bare uvicorn app, median of {len(w['client_cpu_s']['length'])} "
