@@ -16,9 +16,9 @@ from unittest import mock
 import pytest
 import torch
 from _runner_helpers import draft_vocab, make_batch, rows
+from eagle_fast.kernels._common import PhaseClock
 
 from eagle_fast import supervision as SV
-from eagle_fast.kernels._common import PhaseClock
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def _finals(hf_llama, ids, mask):
 def test_parallel_groups_give_the_sequential_bits(hf_llama, two_threads):
     ids, mask = make_batch(lengths=(40, 33, 1, 50), seed=3)
     draft_ids = draft_vocab()
-    kw = dict(outputs=("draft", "topk", "lse"), draft_ids=draft_ids, k=4, out_dtype=torch.float32)
+    kw = {"outputs": ("draft", "topk", "lse"), "draft_ids": draft_ids, "k": 4, "out_dtype": torch.float32}
     with mock.patch.object(SV, "GROUP_TOKENS", 16), mock.patch.object(SV, "group_workers", lambda *a: 1):
         want = hf_llama.forward_eagle3_supervision(ids, mask, **kw)
         want_rows = SV.RowFields(4)
