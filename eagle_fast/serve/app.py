@@ -330,9 +330,10 @@ def keep_triton_out(engine: str) -> bool:
     (process-wide; before the engine is built). Nothing there runs Triton (the CPU head is
     PyTorch), but torch._dynamo, which transformers imports, imports `triton` whenever the
     package is installed, and libtriton's code then stays resident: tens of MB of the server's
-    peak memory (`bench/bench_serve.py`) for nothing. A None in sys.modules makes `import triton` raise ImportError and
-    `importlib.util.find_spec("triton")` answer None, so torch and transformers treat it as
-    absent. Not for vLLM, which imports Triton on every device, nor for CUDA (the head's kernel)."""
+    peak memory (`bench/bench_serve.py`) for nothing. A None in sys.modules makes `import
+    triton` raise ImportError and `importlib.util.find_spec("triton")` answer None, so torch and
+    transformers treat it as absent. Not for vLLM, which imports Triton on every device, nor
+    for CUDA (the head's kernel). Returns whether it did."""
     if engine != "hf" or torch.cuda.is_available() or "triton" in sys.modules:
         return False
     sys.modules["triton"] = None
