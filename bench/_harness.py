@@ -13,8 +13,9 @@ What it does
 Design
     CPU peak RSS is only honest if freed memory goes back to the OS, otherwise a provider that
     runs after another reuses pages the first one left in malloc's free lists and looks free.
-    `tame_malloc()` pins glibc's mmap threshold at 256 KiB (which also stops its dynamic
-    growth up to 32 MiB), so every large tensor is its own mapping, returned on free.
+    `eagle_fast.memory.return_freed_memory()` (the server's setting) pins glibc's mmap threshold
+    at 256 KiB (which also stops its dynamic growth up to 32 MiB), so every large tensor is its
+    own mapping, returned on free.
     PyTorch's CPU allocator does not cache, so nothing else hides memory. The CPU target case
     is also measured in a fresh subprocess per provider (bench_lm_head.py) as a cross-check.
 
@@ -27,7 +28,6 @@ Limits
 
 from __future__ import annotations
 
-import ctypes
 import datetime as _dt
 import gc
 import importlib.metadata as _md
@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 from eagle_fast.kernels._cpu import cpu_isa, cpu_model
+
+from eagle_fast.memory import return_freed_memory
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
@@ -114,26 +116,6 @@ def write_json(path: Path, payload: dict) -> Path:
 
 # --------------------------------------------------------------------------- memory
 
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_tamed = False
-
-
-def tame_malloc(mmap_threshold: int = 256 << 10) -> bool:
-    """Make freed large blocks go back to the OS at once (see the module header). Idempotent."""
-    global _tamed
-    if _tamed:
-        return True
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
-        ok &= libc.mallopt(_M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1
-    except OSError:
-        ok = False
-    _tamed = ok
-    return ok
-
-
 def _status_kib(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -175,7 +157,7 @@ def peak_extra(fn: Callable[[], object], device: str) -> tuple[object, int, floa
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         return out, torch.cuda.max_memory_allocated() - base, dt
-    tame_malloc()
+    return_freed_memory()
     base = rss_bytes()
     if not _reset_hwm():
         raise RuntimeError("cannot reset VmHWM through /proc/self/clear_refs; CPU peak memory unmeasurable")

@@ -209,7 +209,7 @@ def group_parallel(reps: int = 2, tokens: int = 1024) -> dict:
 
 
 def run(out_dir: Path | None = None) -> dict:
-    # No tame_malloc here: nothing measures memory, and forcing every block over 256 KiB
+    # No return_freed_memory here: nothing measures memory, and forcing every block over 256 KiB
     # through mmap/munmap would add page faults to each per-chunk allocation.
     t0 = time.perf_counter()
     out = {"benchmark": "cpu_ops", "environment": H.environment("cpu"),

@@ -411,7 +411,7 @@ def probe_memory_subprocess(shape: HeadShape, mode: str, provider: str, timeout:
 def _probe_main(spec: str) -> None:
     d = json.loads(spec)
     shape = HeadShape(**d["shape"])
-    H.tame_malloc()
+    H.return_freed_memory()
     inp = build_inputs(shape, "cpu", providers=(d["provider"],))
     fn = make_providers(inp, d["mode"], [d["provider"]])[d["provider"]]
     _, peak, dt = H.peak_extra(fn, "cpu")

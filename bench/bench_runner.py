@@ -146,7 +146,7 @@ class SeedMethod:
 def run(out_dir: Path | None = None, benchmark=None) -> dict:
     from eagle_fast import VLLMTargetRunner
 
-    H.tame_malloc()
+    H.return_freed_memory()
     env = H.environment("cuda" if torch.cuda.is_available() else "cpu")
     t_start = time.perf_counter()
     path = tiny_checkpoint()

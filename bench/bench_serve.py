@@ -152,7 +152,7 @@ def wire_server_main(port: int, nbytes: int) -> None:
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
-    from eagle_fast.serve.app import return_freed_memory
+    from eagle_fast.memory import return_freed_memory
 
     return_freed_memory()
     zeros = memoryview(bytes(max(piece for _, piece in WIRE_VARIANTS.values())))

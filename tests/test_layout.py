@@ -20,7 +20,7 @@ MAX_LINES = 500
 # stages before it, never one after it.
 STAGES = [
     ("foundation", ("eagle_fast", "eagle_fast.errors", "eagle_fast.dtypes", "eagle_fast.files",
-                    "eagle_fast.tiny", "eagle_fast.data")),
+                    "eagle_fast.memory", "eagle_fast.tiny", "eagle_fast.data")),
     ("inputs", ("eagle_fast.inputs",)),
     ("kernels", ("eagle_fast.kernels",)),
     ("supervision", ("eagle_fast.supervision",)),

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import signal
 import sys
@@ -38,6 +37,7 @@ from eagle_fast.checkpoint import load_model_info, resolve_dtype_name
 from eagle_fast.dtypes import SHORT_NAMES, long_name
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import resolve_max_len
+from eagle_fast.memory import return_freed_memory
 from eagle_fast.pipeline.config import default_runner_factory, log, parse_aux_layers, resolve_engine
 from eagle_fast.serve import protocol as P
 from eagle_fast.serve import wire
@@ -46,7 +46,6 @@ from eagle_fast.serve.stream import ResponseStream
 
 logger = logging.getLogger("eagle_fast.serve")
 PROBS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
 @dataclass
@@ -308,21 +307,6 @@ def _stream(tensors: dict[str, torch.Tensor | None]) -> Response:
 
     return StreamingResponse(body(), media_type="application/octet-stream",
                              headers={"content-length": str(size)})
-
-
-def return_freed_memory(mmap_threshold: int = 256 << 10) -> bool:
-    """Make glibc give large freed blocks back to the OS at once (process-wide; Linux/glibc only).
-
-    A server allocates response tensors of every size; by default glibc raises its mmap
-    threshold up to 32 MiB as blocks are freed, so later blocks below it come from per-thread
-    heaps that fragment and stay resident: RSS creeps up request after request. Pinning the
-    threshold keeps every block over `mmap_threshold` its own mapping, unmapped on free."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
-                    and libc.mallopt(_M_TRIM_THRESHOLD, 2 * mmap_threshold) == 1)
-    except (OSError, AttributeError):  # not glibc: nothing to pin
-        return False
 
 
 def keep_triton_out(engine: str) -> bool:

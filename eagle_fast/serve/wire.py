@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from eagle_fast.errors import UserError
+from eagle_fast.memory import MMAP_THRESHOLD
 
 MAGIC = 0x4E4D4554
 # NeMo's dtype codes (wire.py `_DTYPE_TABLE`), in its order
@@ -32,11 +33,11 @@ CODE_OF = {dtype: code for code, dtype in CODES.items()}
 _U32, _U8, _I64, _U64 = struct.Struct("<I"), struct.Struct("<B"), struct.Struct("<q"), struct.Struct("<Q")
 _NONE = 0x01
 # Streamed response pieces: bounds the server's copies of a body in flight (uvicorn joins each
-# chunk with its framing, and the transport buffers what the socket does not take at once). Kept
-# below the server's pinned mmap threshold (256 KiB, `app.return_freed_memory`), so each join
-# reuses heap memory instead of paying an mmap, its page faults and an munmap: 1 MiB pieces cost
-# the server more CPU per response (`bench/bench_serve.py`, "wire").
-CHUNK_BYTES = 128 << 10
+# chunk with its framing, and the transport buffers what the socket does not take at once). Half
+# the server's pinned mmap threshold, so each join reuses heap memory instead of paying an mmap,
+# its page faults and an munmap: 1 MiB pieces cost the server more CPU per response
+# (`bench/bench_serve.py`, "wire").
+CHUNK_BYTES = MMAP_THRESHOLD // 2
 
 
 class WireError(UserError):
