@@ -23,6 +23,7 @@ from eagle_fast.pipeline.inspect import inspect_text
 from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify, verify_report
+from eagle_fast.runners.engine_settings import VLLMSettings, parse_engine_args, select_v1_runner
 from eagle_fast.serve.app import ServeConfig, serve
 from eagle_fast.store.manifest import MANIFEST_NAME, read_manifest
 from eagle_fast.vocab import build_vocab
@@ -36,6 +37,7 @@ examples:
   eagle-fast serve   --model ./Qwen3-8B --port 8001   (NeMo trainer: target_model_backend: remote)
   eagle-fast extract ... --out ds/ --shard 0/4      (one node of four; then `eagle-fast merge ds/`)
   eagle-fast extract ... --out /shared/ds/ --ray    (Ray workers; RAY_ADDRESS or a local instance)
+  eagle-fast extract ... -tp 4 --gpu-memory-utilization 0.85 --engine-args '{"max_num_seqs": 64}'
 """
 
 
@@ -45,6 +47,36 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                         "when that is smaller)")
     p.add_argument("--overlong", choices=("truncate", "skip"), default="truncate",
                    help="what to do with longer samples (default truncate; the count is reported)")
+
+
+def _add_vllm_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM engine settings (vLLM's own names; the vllm engine only, refused with hf)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="GPUs one engine spans (default 1; on Ray, each worker takes N GPUs)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
+                   help="share of each GPU vLLM may take, weights and KV cache (default 0.5)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="engine context; at least the longest sample + 1 (default: exactly that)")
+    g.add_argument("--quantization", default=None, metavar="METHOD",
+                   help="vLLM quantization method (fp8, awq, ...; default: the checkpoint's)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="eager mode, no CUDA graphs or compilation (default on: prefill-only steps gain "
+                        "little from graphs)")
+    g.add_argument("--engine-args", default=None, metavar="JSON",
+                   help="any other vllm.LLM argument, as a JSON object, e.g. '{\"max_num_seqs\": 64}' "
+                        "(the capture path's own arguments are refused)")
+    g.add_argument("--capture-dir", default=None, metavar="DIR",
+                   help="where the engine writes captures before they are read (default /dev/shm, else "
+                        "TMPDIR); in containers with a small /dev/shm, a local disk")
+
+
+def _vllm_settings(a: argparse.Namespace) -> VLLMSettings:
+    return VLLMSettings(
+        tensor_parallel_size=a.tensor_parallel_size, gpu_memory_utilization=a.gpu_memory_utilization,
+        max_model_len=a.max_model_len, quantization=a.quantization, enforce_eager=a.enforce_eager,
+        engine_args=parse_engine_args(a.engine_args) if a.engine_args is not None else {},
+        capture_dir=a.capture_dir,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,11 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true",
                    help="run the shards on Ray actors (needs `pip install 'eagle-fast[ray]'`); same bytes")
     p.add_argument("--ray-workers", type=int, default=None, metavar="N",
-                   help="Ray workers, one runner each (default: one per GPU, else one per node)")
+                   help="Ray workers, one runner each (default: one per --tensor-parallel-size GPUs, "
+                        "else one per node)")
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="Ray cluster to join (default $RAY_ADDRESS, else a local instance)")
     p.add_argument("--ray-cpus-per-worker", type=float, default=None, metavar="C",
                    help="CPUs (and torch threads) per Ray worker (default: 1 with GPUs, else an even share)")
+    _add_vllm_args(p)
 
     p = sub.add_parser("vocab", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
     p.add_argument("--model", required=True, help="checkpoint directory (for its tokenizer and vocab size)")
@@ -137,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request (B x S) and most padded tokens per engine call (default 65536)")
     p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                    help="exit once no request has come for SECONDS (jobs that must not outlive their trainer)")
+    _add_vllm_args(p)
 
     p = sub.add_parser("demo", help="build a small model + chat data and run vocab, extract, verify")
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto")
@@ -151,6 +186,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
         supervision=a.supervision, k=a.k, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
+        vllm=_vllm_settings(a),
     )
     if not a.ray and (a.ray_workers, a.ray_address, a.ray_cpus_per_worker) != (None, None, None):
         raise UserError("--ray-workers, --ray-address and --ray-cpus-per-worker apply to --ray runs only",
@@ -195,7 +231,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(ServeConfig(
         model=a.model, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers, host=a.host, port=a.port,
         probs_dtype=a.probs_dtype, max_len=a.max_len, max_batch_tokens=a.max_batch_tokens,
-        exit_when_idle=a.exit_when_idle,
+        exit_when_idle=a.exit_when_idle, vllm=_vllm_settings(a),
     ))
 
 
@@ -216,6 +252,9 @@ def _print_error(cause: str, fix: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # This entry point pins vLLM's engine path (process-wide, before any engine starts): the V1
+    # model runner the tests verify, which only an environment variable selects (_vllm_compat).
+    select_v1_runner(os.environ)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

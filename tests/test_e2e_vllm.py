@@ -115,7 +115,7 @@ def slow(*args, **kwargs):  # leave the test time to kill the run between two sh
 
 
 ex.compute_batch = slow
-ex.default_runner_factory = lambda engine, model, dtype, max_len: VLLMTargetRunner.build(
+ex.default_runner_factory = lambda engine, model, dtype, max_len, **_: VLLMTargetRunner.build(
     model, dtype=dtype, vllm_kwargs=dict(KW))  # the same engine settings as the shared engine
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ class Runner:
         return self.runner.capture(seqs)
 
 
-ex.default_runner_factory = lambda *args: Runner(_build(*args))
+ex.default_runner_factory = lambda *args, **kwargs: Runner(_build(*args, **kwargs))
 
 if __name__ == "__main__":
     from eagle_fast.cli import main

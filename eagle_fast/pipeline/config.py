@@ -12,7 +12,7 @@ import importlib.util
 import math
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ import torch
 from eagle_fast.checkpoint import ModelInfo
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
+from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.hf import HFTargetRunner
 from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported
 from eagle_fast.store.fp8 import check_aux_dtype
@@ -97,15 +98,30 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
     return "vllm"
 
 
-def default_runner_factory(engine: str, model: str, dtype: torch.dtype, max_len: int):
-    """Build the engine's TargetRunner (imports the engine lazily); `max_len` = longest sample."""
-    if engine == "vllm":
+def default_runner_factory(engine: str, model: str, dtype: torch.dtype, max_len: int, *,
+                           vllm: VLLMSettings | None = None, step_tokens: int | None = None):
+    """Build the engine's TargetRunner (imports the engine lazily); `max_len` = longest sample.
 
-        # Size the engine (and its CPU KV budget) for our longest sample, not the model's limit;
-        # vLLM counts the one generated token (max_tokens=1) against max_model_len too.
-        return VLLMTargetRunner.build(model, dtype=dtype, vllm_kwargs={"max_model_len": max_len + 1})
+    vLLM: the user's `vllm` settings; max_model_len (unless set) is the longest sample + 1, not
+    the model's limit, which sizes the engine and its CPU KV budget (vLLM counts the one generated
+    token against it too); `step_tokens` (the run's batch budget) bounds each engine step.
+    """
+    if engine == "vllm":
+        return VLLMTargetRunner.build(model, dtype=dtype,
+                                      **(vllm or VLLMSettings()).runner_kwargs(max_len, step_tokens))
 
     return HFTargetRunner.build(model, dtype=dtype)
+
+
+def check_vllm_settings(settings: VLLMSettings, requested: str, engine: str, longest: int,
+                        step_tokens: int | None = None) -> None:
+    """Refuse bad vLLM settings, or any with an engine that is not vLLM, before an engine starts.
+    `requested`: the --engine asked for; `engine`: the one `resolve_engine` chose."""
+    why = ("--engine hf" if requested == "hf" else
+           f"--engine {requested} chose it: vLLM is not installed here, or cannot capture this model")
+    settings.check(engine, why)
+    if engine == "vllm":
+        settings.runner_kwargs(longest, step_tokens)  # refuses a max_model_len below the longest sample
 
 
 # ------------------------------------------------------------------------------ logging
@@ -147,6 +163,7 @@ class ExtractConfig:
     layout: str = "native"
     queue_batches: int = 2
     progress_tty: bool | None = None
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
 
 
 @dataclass

@@ -36,6 +36,7 @@ from eagle_fast.inputs import ShardPlan, plan_batches
 from eagle_fast.pipeline.config import log
 from eagle_fast.pipeline.prepare import Prepared, _clean_temps
 from eagle_fast.pipeline.run import _Writer, build_runner, compute_batch, new_progress, record_shard
+from eagle_fast.runners.engine_settings import V1_RUNNER_ENV
 from eagle_fast.store import make_layout
 from eagle_fast.store.layouts import LayoutSpec
 from eagle_fast.store.manifest import check_file_cheap
@@ -253,21 +254,30 @@ class _Pool:
         self.p = p
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         gpus = int(ray.cluster_resources().get("GPU", 0))
-        wanted = opts.workers or gpus or len(nodes) or 1
-        if gpus and wanted > gpus:
-            raise UserError(f"--ray-workers {wanted} needs {wanted} GPUs (one per worker); the cluster has {gpus}",
-                            f"pass --ray-workers {gpus} or fewer, or add GPU nodes")
+        # On GPUs a worker's engine spans its tensor-parallel size; CPU workers hold no GPU.
+        tp = p.cfg.vllm.tensor_parallel_size if p.engine == "vllm" else 1
+        if gpus and tp > gpus:
+            raise UserError(f"--tensor-parallel-size {tp} needs {tp} GPUs per Ray worker; the cluster has {gpus}",
+                            f"pass --tensor-parallel-size {gpus} or less, or add GPU nodes")
+        wanted = opts.workers or gpus // tp or len(nodes) or 1
+        if gpus and wanted * tp > gpus:
+            raise UserError(f"--ray-workers {wanted} needs {wanted * tp} GPUs ({tp} per worker); the cluster has "
+                            f"{gpus}", f"pass --ray-workers {gpus // tp} or fewer, or add GPU nodes")
         node_cpus = [n["Resources"].get("CPU", 0) for n in nodes if n["Resources"].get("CPU", 0) > 0] or [1]
         cpus = opts.cpus_per_worker or (1 if gpus else max(1, min(sum(node_cpus) // wanted, min(node_cpus))))
         count = min(wanted, len(p.pending))
         job = _Job(p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples), p.aux_layer_ids,
                    p.spec, str(Path(opts.worker_out or p.root).resolve()), p.draft_ids, p.spec.k,
                    p.cfg.batch_tokens, p.cfg.queue_batches, None if gpus else max(1, int(cpus)), factory)
+        # The driver's engine-path choice (the CLI selects vLLM's V1 runner) reaches every worker,
+        # also on nodes whose Ray was started without it.
+        env = {k: os.environ[k] for k in V1_RUNNER_ENV if k in os.environ}
         remote = ray.remote(_ShardWorker).options(
-            num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=opts.max_restarts, max_task_retries=0,
-            max_concurrency=IN_FLIGHT + 1, scheduling_strategy="SPREAD")  # + 1: close() or a probe
+            num_cpus=cpus, num_gpus=tp if gpus else 0, max_restarts=opts.max_restarts, max_task_retries=0,
+            max_concurrency=IN_FLIGHT + 1, scheduling_strategy="SPREAD",  # + 1: close() or a probe
+            runtime_env={"env_vars": env} if gpus and env else None)
         log(f"starting {count} Ray worker{'s' if count > 1 else ''} ({cpus:g} CPU"
-            + (", 1 GPU" if gpus else "") + f" each) on {len(nodes)} node{'s' if len(nodes) > 1 else ''}")
+            + (f", {tp} GPU" if gpus else "") + f" each) on {len(nodes)} node{'s' if len(nodes) > 1 else ''}")
         self.actors = [remote.remote(i, job) for i in range(count)]
         self._probe(p.root)
 

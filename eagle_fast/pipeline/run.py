@@ -15,6 +15,7 @@ Limits: an engine failure mid-shard loses that shard's work, never the dataset.
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import sys
 import threading
@@ -33,6 +34,7 @@ from eagle_fast.pipeline.config import (
     ExtractConfig,
     Summary,
     _fmt_secs,
+    check_vllm_settings,
     default_runner_factory,
     log,
 )
@@ -258,6 +260,8 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
             on_shard: Callable[[int], None] | None = None, ray: Any = None) -> Summary:
     """Run (or resume) an extraction; returns the summary. Raises UserError for user mistakes.
 
+    `runner_factory(engine, model, dtype, max_len)`: builds the runner (default: vLLM with
+    `cfg.vllm`, or transformers); a custom one takes no `cfg.vllm`.
     `ray`: a `pipeline.distributed.RayOptions` to run the pending shards on Ray actors instead
     of in this process; the shards and the manifest (but for its `runs` statistics) come out the
     same either way, and either kind of run resumes the other's. `on_shard(index)` is called
@@ -265,9 +269,13 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
     """
     t_start = time.perf_counter()
     p = prepare(cfg)
+    longest = max((s.length for s in p.plan.samples), default=1)
+    check_vllm_settings(cfg.vllm, cfg.engine, p.engine, longest, cfg.batch_tokens)
     fresh = not p.root.exists()
     p.root.mkdir(parents=True, exist_ok=True)
-    factory = runner_factory or default_runner_factory
+    # The default factory builds vLLM with the user's settings, each step within --batch-tokens.
+    factory = runner_factory or functools.partial(default_runner_factory, vllm=cfg.vllm,
+                                                  step_tokens=cfg.batch_tokens)
     pool, finished = None, False
     if ray is not None and p.pending:
         try:  # starts Ray and its workers, which probe OUT before anything is written

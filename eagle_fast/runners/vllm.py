@@ -162,7 +162,8 @@ class VLLMTargetRunner(RunnerBase):
         vllm_kwargs (and any extra keyword, as NeMo's `build(**vllm_kwargs)` passes them): forwarded
             to `vllm.LLM` (`max_model_len`, `gpu_memory_utilization`, `kv_cache_memory_bytes`, ...),
             except the arguments the capture path owns (`_vllm_compat.OWNED_KWARGS`).
-        storage_dir: parent of the private capture dir (default /dev/shm when present, else TMPDIR).
+        storage_dir: parent of the private capture dir (default /dev/shm when present, else TMPDIR;
+            `--capture-dir` on the CLI).
         head_device: where the head runs (default: CUDA when available, else CPU).
         head_overrides: `TargetHead` overrides for unknown architectures (norm, eps, logit_scale, softcap).
         """
@@ -172,7 +173,9 @@ class VLLMTargetRunner(RunnerBase):
         kwargs.update(extra_vllm_kwargs)
         owned = sorted(set(kwargs) & set(compat.OWNED_KWARGS))
         if owned:
-            raise ValueError(f"vllm_kwargs {owned} are set by VLLMTargetRunner itself; remove them")
+            why = "; ".join(f"{k}: {compat.OWNED_REASONS[k]}" for k in owned)
+            raise ValueError(f"vllm_kwargs {owned} are set by VLLMTargetRunner itself ({why}); remove them")
+        compat.check_allocator_conf(os.environ, kwargs)  # before any weights load or engine starts
         if kwargs.pop("shared_storage_path", None) is not None:  # NeMo's name for the capture dir
             logger.warning(
                 "shared_storage_path is ignored: captures go to a private dir under storage_dir"
@@ -208,6 +211,9 @@ class VLLMTargetRunner(RunnerBase):
         self._on_cpu = compat.is_cpu_platform()
         if self._on_cpu:
             compat.check_cpu_connector()
+        path_warning = compat.engine_path_warning(compat.is_cuda_platform(), os.environ)
+        if path_warning:
+            logger.warning(path_warning)
         self._llm = None
         self._capture_ids: list[int] | None = None
         self._storage: str | None = None
@@ -250,7 +256,7 @@ class VLLMTargetRunner(RunnerBase):
                 kwargs["kv_cache_memory_bytes"] = self._default_cpu_kv_bytes(len(capture_ids))
         else:
             kwargs["gpu_memory_utilization"] = 0.5
-        kwargs.update(self._user_kwargs)
+        kwargs.update(self._user_kwargs)  # the caller's choices win over the defaults above
         return kwargs
 
     def _default_cpu_kv_bytes(self, n_captures: int) -> int:

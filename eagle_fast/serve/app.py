@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import uvicorn
@@ -38,7 +39,14 @@ from eagle_fast.dtypes import SHORT_NAMES, long_name
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import resolve_max_len
 from eagle_fast.memory import return_freed_memory
-from eagle_fast.pipeline.config import default_runner_factory, log, parse_aux_layers, resolve_engine
+from eagle_fast.pipeline.config import (
+    check_vllm_settings,
+    default_runner_factory,
+    log,
+    parse_aux_layers,
+    resolve_engine,
+)
+from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.serve import protocol as P
 from eagle_fast.serve import wire
 from eagle_fast.serve.batching import Batcher, Engine, EngineFailure, EngineUnavailable
@@ -62,13 +70,14 @@ class ServeConfig:
     max_len: int | None = None
     max_batch_tokens: int = 65536
     exit_when_idle: float | None = None
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
 
 
 class TargetServer:
     """The resolved settings, the engine thread and the FastAPI app for one target.
 
     runner_factory(engine, model, dtype, max_len) builds the runner (default: the extraction's
-    `default_runner_factory`); the server sets its aux layers.
+    `default_runner_factory`, with `cfg.vllm`); the server sets its aux layers.
     """
 
     def __init__(self, cfg: ServeConfig, runner_factory: Callable | None = None):
@@ -94,7 +103,10 @@ class TargetServer:
         if self.engine_name == "vllm" and positions and self.max_len >= positions:
             raise UserError(f"--max-len {self.max_len}: vLLM needs one position beyond the longest row and this "
                             f"model has {positions}", f"pass --max-len {positions - 1}")
-        factory = runner_factory or default_runner_factory
+        check_vllm_settings(cfg.vllm, cfg.engine, self.engine_name, self.max_len, cfg.max_batch_tokens)
+        # The default factory builds vLLM with the user's settings, each step within --max-batch-tokens.
+        factory = runner_factory or functools.partial(default_runner_factory, vllm=cfg.vllm,
+                                                      step_tokens=cfg.max_batch_tokens)
 
         def build():
             runner = factory(self.engine_name, cfg.model, self.dtype, self.max_len)

