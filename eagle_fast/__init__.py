@@ -25,6 +25,7 @@ _LAZY = {
     "ExtractConfig": "eagle_fast.pipeline.config",
     "extract": "eagle_fast.pipeline.run",
     "RayOptions": "eagle_fast.pipeline.distributed",
+    "VLLMSettings": "eagle_fast.runners.engine_settings",
 }
 
 # The names of _LAZY plus __version__ (tests/test_packaging.py checks they agree).
@@ -36,6 +37,7 @@ __all__ = [
     "Supervision",
     "TargetHead",
     "TargetRunner",
+    "VLLMSettings",
     "VLLMTargetRunner",
     "__version__",
     "extract",
