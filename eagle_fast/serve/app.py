@@ -103,10 +103,11 @@ class TargetServer:
         if self.engine_name == "vllm" and positions and self.max_len >= positions:
             raise UserError(f"--max-len {self.max_len}: vLLM needs one position beyond the longest row and this "
                             f"model has {positions}", f"pass --max-len {positions - 1}")
-        check_vllm_settings(cfg.vllm, cfg.engine, self.engine_name, self.max_len, cfg.max_batch_tokens)
-        # The default factory builds vLLM with the user's settings, each step within --max-batch-tokens.
-        factory = runner_factory or functools.partial(default_runner_factory, vllm=cfg.vllm,
-                                                      step_tokens=cfg.max_batch_tokens)
+        check_vllm_settings(cfg.vllm, cfg.engine, self.engine_name, self.max_len)
+        # The default factory builds vLLM with the user's settings. Its steps keep vLLM's size,
+        # max(max_len + 1, 16384 on big GPUs): bounded by the longest row, never the model's
+        # context, and smaller than --max-batch-tokens' default (65536), which would only grow them.
+        factory = runner_factory or functools.partial(default_runner_factory, vllm=cfg.vllm)
 
         def build():
             runner = factory(self.engine_name, cfg.model, self.dtype, self.max_len)
