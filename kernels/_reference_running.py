@@ -23,9 +23,9 @@ def update_argmax(
     run_arg: torch.Tensor,
     on_cpu: bool,
     ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge one tile into the running argmax (in place on `run_arg`); return the new running
-    max and the tile's row max.
+    max, the tile's row max and the tile as the argmax ranked it (for the top-k).
 
     Column j of the tile is token `c0 + j`, or `ids[j]` when the vocabulary is walked in another
     order (`ids` ascending within the tile). Ties go to the lower token id: `argmax` returns the
@@ -36,16 +36,25 @@ def update_argmax(
     grew (or tied):
     for logits in random order that is ~ln(#chunks) of the ~V/C chunks of a row; for logits
     rising with the id, every tile (no worse than `torch.max`).
+    NaN ranks as +inf, the Triton kernel's rule (`_triton_jit.tile_argmax`): on CPU a tile
+    whose row max is NaN is ranked, here and by the top-k, through a copy with NaN as +inf
+    (the caller's exp sums still see the NaN, so lse turns NaN). On CUDA (no host sync per
+    tile) only the maxima are: torch.max's index is then the row's first NaN, which differs
+    from the kernel's id only in a row holding +inf before a NaN.
     """
     if not on_cpu:
         c_max, c_arg = torch.max(tile, dim=1)
+        c_max = torch.where(c_max.isnan(), math.inf, c_max)
         cand = c_arg + c0 if ids is None else ids[c_arg]
         take = c_max > run_max
         if ids is not None:
             take |= (c_max == run_max) & (cand < run_arg)
         run_arg.copy_(torch.where(take, cand, run_arg))
-        return torch.maximum(run_max, c_max), c_max
+        return torch.maximum(run_max, c_max), c_max, tile
     c_max = torch.amax(tile, dim=1)
+    if bool(c_max.isnan().any()):
+        tile = torch.where(tile.isnan(), math.inf, tile)
+        c_max = torch.amax(tile, dim=1)
     grew = c_max > run_max
     if ids is not None:
         grew |= c_max == run_max
@@ -62,7 +71,7 @@ def update_argmax(
             run_arg.copy_(cand)
         else:
             run_arg[rows] = cand
-    return torch.maximum(run_max, c_max), c_max
+    return torch.maximum(run_max, c_max), c_max, tile
 
 
 def _chunk_topk_select(tile: torch.Tensor, kc: int) -> torch.Tensor | None:

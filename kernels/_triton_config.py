@@ -81,10 +81,11 @@ def default_config(variant: Variant, n_rows: int, V: int, H: int, interpret: boo
     # bf16 / fp16. The big tile, 128x256 on two warpgroups (wgmma m64n256k16 each, 128 fp32
     # accumulator registers per thread), has the best GEMM efficiency; 3 stages of
     # (128+256)x64x2 B = 144 KB shared memory. Its epilogue must fit in the other ~127
-    # registers, which holds for lse/argmax alone or with softcap, top-k, top-k+softcap,
-    # draft or the draft top-k: 0 B spilled (ptxas 13 / triton 3.9). Heavier epilogues (an
-    # [N, V] logits or logprobs store, draft with top-k, draft top-k or softcap, the draft
-    # top-k with softcap) spill 8 B-3.4 KB there and still up to 200 B at 128x128 on 8
+    # registers, which holds for lse/argmax alone or with softcap, top-k, draft or the draft
+    # top-k: 0 B spilled (ptxas 13 / triton 3.9). Heavier epilogues (an [N, V] logits or
+    # logprobs store, draft with top-k, draft top-k or softcap, the draft top-k with
+    # softcap, top-k with softcap since NaN ranks as +inf: its re-run spilled 216 B at 255
+    # registers) spill 8 B-3.4 KB there and still up to 200 B at 128x128 on 8
     # warps; they get 128x128 on 16 warps (4 warpgroups of m64n64,
     # 32 accumulator registers per thread): 0 B spilled, 4 stages = 128 KB. Those modes
     # are not the fast paths (they materialise [N, V] or stack two reductions).
@@ -96,7 +97,7 @@ def default_config(variant: Variant, n_rows: int, V: int, H: int, interpret: boo
         variant.logits
         or variant.logprobs
         or (variant.draft and (two_reductions or variant.softcap))
-        or (variant.draft_topk and variant.softcap)
+        or ((variant.draft_topk or variant.topk) and variant.softcap)
     )
     if heavy:
         return Config(128, 128, 64, 8, num_warps=16, num_stages=4)

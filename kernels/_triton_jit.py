@@ -50,6 +50,21 @@ def round_rne(x, DST: tl.constexpr):
 
 
 @triton.jit
+def tile_argmax(logits, local, BLOCK_V: tl.constexpr):
+    # Row max and argmax (lowest column among maxima) of a [BLOCK_N, BLOCK_V] tile whose
+    # columns are `local` [BLOCK_V]; returns (the tile with NaN as +inf, max, argmax). NaN
+    # ranks as +inf: a backend's max may skip NaN (NVIDIA's max.f32, the interpreter's
+    # nanmax) or not, and a NaN max matches no column, so an all-NaN row would give the
+    # out-of-tile argmax BLOCK_V. With NaN gone, every max below is one of its row's values
+    # and every argmax, top-k and draft index stays in the tile. The sums of exp that follow
+    # still turn NaN (exp(inf - inf)), so lse and logprobs of such a row are NaN.
+    logits = tl.where(logits == logits, logits, float("inf"))  # noqa: PLR0124 (NaN test)
+    m = tl.max(logits, axis=1)
+    arg = tl.min(tl.where(logits == m[:, None], local[None, :], BLOCK_V), axis=1)
+    return logits, m, arg
+
+
+@triton.jit
 def pack_key(val, ids):
     # Order-preserving int64 key: fp32 bits mapped to a monotone int32 in the high half,
     # 2^31-1-id in the low half (equal values: lower id = larger key). -inf = no candidate.

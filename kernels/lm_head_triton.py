@@ -12,7 +12,8 @@ Design
   2. `_lm_head_fwd_kernel`: one program per [BLOCK_N rows x BLOCK_V vocab] tile in grouped
      order (GROUP_SIZE row blocks sweep the vocabulary together, so a weight tile is read
      from HBM once per group), fp32 accumulation, then an epilogue on the fp32 tile: scale,
-     softcap, per-(row, tile) max / argmax (ties to the lower id), the sum exp only when
+     softcap, per-(row, tile) max / argmax (ties to the lower id, NaN ranked as +inf so every
+     index stays in the tile: `_triton_jit.tile_argmax`), the sum exp only when
      lse / logprobs / top-k need it (HAS_LSE; "draft" / "argmax" / "draft_topk" alone skip
      it), draft statistics and raw draft logits (through a target -> draft map), the tile's
      best `n_rounds` top-k candidates as int64 keys: over the whole tile (HAS_TOPK) or over
@@ -52,7 +53,7 @@ from ._triton_config import (
     next_pow2,
 )
 from ._triton_interpret import run_kernel
-from ._triton_jit import draft_epilogue, round_rne, store_candidates, tanh
+from ._triton_jit import draft_epilogue, round_rne, store_candidates, tanh, tile_argmax
 from ._triton_merge import (
     Scratch,
     candidate_rounds,
@@ -193,10 +194,9 @@ def _lm_head_fwd_kernel(
         tl.store(Stage_ptr + rows64[:, None] * stride_sm + cols[None, :], logits, mask=out_mask)
     logits = tl.where(col_mask[None, :], logits, float("-inf"))
 
-    # ---- per (row, tile) statistics: max and argmax (lowest id among maxima)
+    # ---- per (row, tile) statistics: max and argmax (lowest id among maxima, NaN as +inf)
     local = tl.arange(0, BLOCK_V)
-    m = tl.max(logits, axis=1)
-    arg = tl.min(tl.where(logits == m[:, None], local[None, :], BLOCK_V), axis=1)
+    logits, m, arg = tile_argmax(logits, local, BLOCK_V)
     m_safe = tl.where(m == float("-inf"), 0.0, m)  # all -inf -> sums of 0, not NaN
     p_off = rows64 * stride_pm + pid_v
     tl.store(PartM_ptr + p_off, m, mask=row_mask)

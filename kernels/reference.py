@@ -48,7 +48,7 @@ Design
 Limits
     Extra memory: one tile, on CPU one fp32 weight chunk, the draft buffer, and the requested
     outputs (logits/logprobs are the only [N, V]). Non-finite inputs propagate (NaN in, NaN
-    out). On CUDA, fp32 weights use whatever `torch.backends.cuda.matmul.allow_tf32` says.
+    out); a NaN logit ranks as +inf in the argmax and top-k, so their ids stay real ids. On CUDA, fp32 weights use whatever `torch.backends.cuda.matmul.allow_tf32` says.
     No autograd: the head produces supervision, not a differentiable loss.
 """
 
@@ -368,10 +368,11 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
                 scratch = tile  # CUDA: the GEMM's fresh output is this tile's scratch
 
             rmax, rsum, rarg = run_max[r0:r1], run_sum[r0:r1], run_arg[r0:r1]
-            new_max, tile_max = update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
+            new_max, tile_max, ranked = update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
             topk = topks[blk] if topks is not None and not (want_dtopk and c1 > Vd) else None
             if topk is not None:
-                topk.update(tile, c0, tile_max)
+                topk.update(ranked, c0, tile_max)
+            del ranked
             lap("merge", dev)
 
             if logits_out is not None and logits_out is not gemm_into:
