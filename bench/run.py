@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline": "bench_pipeline.py",
            "cpu_ops": "bench_cpu_ops.py", "serve": "bench_serve.py", "ray": "bench_ray.py",
-           "storage": "bench_storage.py", "accept": "bench_accept.py"}
+           "storage": "bench_storage.py", "host_path": "bench_host_path.py", "accept": "bench_accept.py"}
 
 
 def main(argv=None) -> int:

@@ -15,6 +15,12 @@ from typing import Any
 
 from eagle_fast.errors import UserError
 
+# A file written by another process (vLLM's engine writes captures): it is written under
+# `name + PARTIAL_SUFFIX` and renamed into place, and a failed write leaves `name + FAILED_SUFFIX`
+# holding the cause (runners/connector.py writes, runners/_vllm_compat.py reads).
+PARTIAL_SUFFIX = ".part"
+FAILED_SUFFIX = ".failed"
+
 
 def fsync_dir(path: str | os.PathLike) -> None:
     """Persist a directory entry (a rename or a new file) on POSIX filesystems."""

@@ -61,6 +61,9 @@ class SharedRunner:
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
+    def capture_stream(self, batches, depth=1):  # the pipeline runs ahead only through the class's own
+        return self._runner.capture_stream(batches, depth)
+
     def close(self) -> None:
         pass
 

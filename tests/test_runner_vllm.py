@@ -339,16 +339,16 @@ def test_sweep_removes_only_the_capture_dirs_of_dead_owners(tmp_path):
     import subprocess
     import sys
 
-    from eagle_fast.runners.vllm import _process_start, _storage_prefix, sweep_orphaned_storage
+    from eagle_fast.runners.captures import process_start, storage_prefix, sweep_orphaned_storage
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    me, start = os.getpid(), _process_start(os.getpid())
+    me, start = os.getpid(), process_start(os.getpid())
     assert start is not None  # Linux /proc
     names = {
         "dead": f"eagle_fast-hs-{gone.pid}.{start + 7}-a1",
         "reused": f"eagle_fast-hs-{me}.{start + 1}-b2",
-        "alive": _storage_prefix() + "c3",
+        "alive": storage_prefix() + "c3",
         "legacy": "eagle_fast-hs-d4e5f6",
         "other": "psm_1234",
     }

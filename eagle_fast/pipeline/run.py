@@ -125,6 +125,13 @@ class Progress:
 
 _STOP = object()
 
+# Finished engine calls that may wait for the head (`RunnerBase.capture_stream`): with 1, the
+# engine captures batch i+1 while the head runs on batch i. Memory: the capture directory holds
+# the files of at most 2 calls; the batch the head is on, and the `--queue-batches` batches the
+# writer has yet to store, stay mapped from their (deleted) files until written, so the capture
+# directory's filesystem holds up to 3 + queue-batches batches of captures in all.
+ENGINE_AHEAD = 1
+
 
 class _Writer(threading.Thread):
     """Drains (shard, local index, result) items: encode, pwrite, commit shards, manifest."""
@@ -215,12 +222,21 @@ class _Writer(threading.Thread):
 
 def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
                   draft_ids: torch.Tensor | None, k: int) -> list[dict]:
-    """Canonical per-sample results for one batch: one engine call, then `supervise`.
+    """Canonical per-sample results for one batch: one engine call, then `supervise`."""
+    caps = runner.capture([s.input_ids for s in samples])
+    return supervise_batch(runner, samples, caps, layout, draft_ids, k)
+
+
+def supervise_batch(runner, samples: list[SamplePlan], caps: list, layout: Layout,
+                    draft_ids: torch.Tensor | None, k: int) -> list[dict]:
+    """Per-sample results for one batch from its captures (`runner.capture`'s, already checked
+    for non-finite values): `supervise` on the final hidden states.
 
     Each result holds input_ids int64 [T], loss_mask bool [T], aux_hidden_states [T, 3H],
-    `hidden` [T, H] when the layout stores it, and the head fields the layout asks for.
+    `hidden` [T, H] when the layout stores it, and the head fields the layout asks for. The
+    hidden states are the runner's tensors as they are (vLLM's: views of the capture file),
+    so the store's write makes their one copy.
     """
-    caps = runner.capture([s.input_ids for s in samples])
     if len(caps) != len(samples):
         raise RuntimeError(f"the engine returned {len(caps)} results for {len(samples)} sequences")
     results = []
@@ -229,9 +245,6 @@ def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
             raise RuntimeError(
                 f"the engine returned {aux.shape[0]} hidden-state rows for sample {s.index} "
                 f"(line {s.line}) of {s.length} tokens")
-        if not bool(torch.isfinite(aux).all()) or not bool(torch.isfinite(final).all()):
-            raise RuntimeError(f"the target produced non-finite hidden states for sample {s.index} "
-                               f"(line {s.line}); check --dtype (fp16 overflows on some models)")
         r = {"input_ids": torch.tensor(s.input_ids, dtype=torch.int64),
              "loss_mask": torch.tensor(s.loss_mask, dtype=torch.bool),
              "aux_hidden_states": aux.detach().cpu()}
@@ -363,16 +376,22 @@ def _run_here(p: Prepared, factory: Callable, on_shard: Callable[[int], None] | 
     progress = new_progress(p)
     writer = _Writer(p.layout, p.root, lambda rec: record_shard(p, rec), progress,
                      maxsize=max(1, p.cfg.queue_batches))
+    # Every batch of the run, in order; the engine captures the next while this thread runs the
+    # head on the last one and the writer stores the one before.
+    plan = [(shard, batch, j + 1 == len(batches)) for shard in p.pending
+            for batches in [plan_batches(shard, p.cfg.batch_tokens)]
+            for j, batch in enumerate(batches)]
+    stream = capture_batches(runner, ([shard.samples[i].input_ids for i in batch] for shard, batch, _ in plan))
     t_engine = time.perf_counter()
     try:
         writer.start()
-        for shard in p.pending:
-            for batch in plan_batches(shard, p.cfg.batch_tokens):
+        with contextlib.closing(stream):
+            for (shard, batch, last), caps in zip(plan, stream):
                 samples = [shard.samples[i] for i in batch]
-                results = compute_batch(runner, samples, p.layout, p.draft_ids, p.spec.k)
+                results = supervise_batch(runner, samples, caps, p.layout, p.draft_ids, p.spec.k)
                 writer.put((shard, list(zip(batch, results))))
-            if on_shard is not None:
-                on_shard(shard.index)
+                if last and on_shard is not None:
+                    on_shard(shard.index)
         writer.finish()
     except BaseException:
         if writer.is_alive():
@@ -383,6 +402,15 @@ def _run_here(p: Prepared, factory: Callable, on_shard: Callable[[int], None] | 
         with contextlib.suppress(Exception):  # never mask the run's own outcome
             runner.close()
     return build_seconds, time.perf_counter() - t_engine
+
+
+def capture_batches(runner, batches):
+    """The runner's captures of `batches`, in order: through `capture_stream` (the engine runs
+    `ENGINE_AHEAD` batches ahead) when the runner's class has one, as every `RunnerBase` does;
+    else one `capture` call per batch, for any object with NeMo's `capture` alone."""
+    if callable(getattr(type(runner), "capture_stream", None)):
+        return runner.capture_stream(batches, depth=ENGINE_AHEAD)
+    return (runner.capture(seqs) for seqs in batches)
 
 
 def _aux_bytes_per_token(spec: LayoutSpec) -> int:

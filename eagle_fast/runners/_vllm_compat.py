@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle_fast.errors import UserError
+from eagle_fast.files import FAILED_SUFFIX, PARTIAL_SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +339,7 @@ def _wait_written(path: str, timeout_s: float) -> None:
         try:
             fd = os.open(lock_path, os.O_RDONLY)
         except FileNotFoundError:
-            if os.path.exists(path):
+            if os.path.exists(path) or os.path.exists(path + FAILED_SUFFIX):
                 return
             fd = None
         if fd is not None:
@@ -363,25 +364,55 @@ def _wait_written(path: str, timeout_s: float) -> None:
 
 
 def read_hidden_states(path: str, timeout_s: float = 600.0) -> dict[str, torch.Tensor]:
-    """Wait for the writer, load `{hidden_states [T, n_ids, H], token_ids [T]}`, delete both files.
+    """Wait for the writer, load `{hidden_states [T, n_ids, H], token_ids [T]}`, delete the files.
 
-    The files are removed even when loading fails.
+    The tensors map the file (safetensors' mmap, private pages): no copy is made here, and the
+    pages live until the last view is freed. A write that failed in the engine, a missing or a
+    truncated file raises a RuntimeError naming the file and the cause, never returns data. The
+    files are removed even when loading fails.
     """
     try:
         _wait_written(path, timeout_s)
-        return load_file(path, device="cpu")
+        failed = _read_text(path + FAILED_SUFFIX)
+        if failed is not None:
+            raise RuntimeError(f"the engine failed to write capture {path}: {failed} ({STAGING_FIX})")
+        try:
+            return load_file(path, device="cpu")
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"the engine wrote no capture file {path}: its write failed (the engine log says "
+                f"'Hidden-states write failed'; {STAGING_FIX})"
+            ) from None
+        except Exception as e:  # safetensors' own error type for a bad header or short file
+            raise RuntimeError(f"capture file {path} is unreadable: {e} ({STAGING_FIX})") from e
     finally:
         discard(path, wait_s=0.0)
 
 
+# What to do about a capture write that failed or will not fit.
+STAGING_FIX = (
+    "give the engine a capture directory with room for a batch: --capture-dir DIR on the CLI, "
+    "storage_dir= in Python, or fewer tokens per engine call (--batch-tokens)"
+)
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or "unknown error"
+    except FileNotFoundError:
+        return None
+
+
 def discard(path: str, wait_s: float = 30.0) -> None:
-    """Remove a capture file and its lock, first waiting (bounded) for a write in flight."""
+    """Remove a capture file, its lock and any partial or failure marker, first waiting
+    (bounded) for a write in flight."""
     if wait_s > 0:
         try:
             _wait_written(path, wait_s)
         except TimeoutError:
             logger.warning("capture %s still locked after %.0f s; removing anyway", path, wait_s)
-    for p in (path + ".lock", path):
+    for p in (path + ".lock", path, path + PARTIAL_SUFFIX, path + FAILED_SUFFIX):
         try:
             os.remove(p)
         except FileNotFoundError:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -308,6 +308,26 @@ class RunnerBase:
 
     def _capture(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
+
+    def capture_stream(
+        self, batches: Iterable[Sequence[Sequence[int]]], depth: int = 1
+    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """`capture` over many batches, yielded in order; close the iterator when stopping early.
+
+        An engine in a process of its own (vLLM) runs ahead: it captures the next batch while the
+        caller consumes this one, with at most `depth` finished batches waiting, so it never
+        waits on the caller's head or writer unless they fall `depth` batches behind. Others
+        capture each batch when the caller asks for it.
+        """
+        self._require_aux()
+        checked = (validate_sequences(b, self.max_model_len, self.head.vocab_size) for b in batches)
+        return self._capture_stream(checked, depth)
+
+    def _capture_stream(
+        self, batches: Iterator[list[list[int]]], depth: int
+    ) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        for sequences in batches:
+            yield self._capture(sequences)
 
     # -- NeMo surface ---------------------------------------------------------------------------
     @torch.no_grad()

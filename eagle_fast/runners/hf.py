@@ -27,6 +27,7 @@ from torch import nn
 
 from eagle_fast.head import TargetHead, text_config
 from eagle_fast.runners.base import RunnerBase, load_config_and_head, unpad
+from eagle_fast.runners.captures import scan_rows
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +248,14 @@ class HFTargetRunner(RunnerBase):
             ids[b, :n] = torch.tensor(sequences[i])
             mask[b, :n] = 1
         _, aux, final = self._run(ids, mask, want_logits=False)
+        for b, i in enumerate(rows):  # real tokens only: padding may hold anything
+            for name, x in (("aux", aux), ("final", final)):
+                bad = scan_rows(x[b, : len(sequences[i])]).first_nonfinite()
+                if bad is not None:
+                    raise RuntimeError(
+                        f"the target produced a non-finite {name} hidden state for sequence {i} "
+                        f"at [token, dim]={bad}; check the dtype (fp16 overflows on some models)"
+                    )
         for b, i in enumerate(rows):
             n = len(sequences[i])
             results[i] = (aux[b, :n].to("cpu", copy=True), final[b, :n].to("cpu", copy=True))

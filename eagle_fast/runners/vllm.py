@@ -27,17 +27,19 @@ process reads, so the runner must run where rank 0's filesystem is visible.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
-import re
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from eagle_fast.errors import UserError
 from eagle_fast.head import text_config
 from eagle_fast.runners import _vllm_compat as compat
 from eagle_fast.runners.base import (
@@ -45,6 +47,14 @@ from eagle_fast.runners.base import (
     capture_plan,
     load_config_and_head,
     validate_sequences,
+)
+from eagle_fast.runners.captures import (
+    AheadStats,
+    free_bytes,
+    run_ahead,
+    split_capture,
+    storage_prefix,
+    sweep_orphaned_storage,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,6 +66,9 @@ __all__ = ["VLLMTargetRunner"]
 _CPU_KV_PROMPTS = 2
 _CPU_KV_MIN_BYTES = 64 << 20
 _CPU_KV_MAX_BYTES = 4 << 30  # beyond this, set kv_cache_memory_bytes / max_model_len explicitly
+
+_HEADER_BYTES = 4096  # a capture file's safetensors header and alignment, generously
+
 
 HF_ENGINE_FIX = (
     "use the transformers engine: `--engine hf` on the CLI, eagle_fast.HFTargetRunner in Python"
@@ -77,61 +90,6 @@ def capture_unsupported(
         "SupportsEagle3 (aux hidden-state outputs), so the engine would die at start-up with "
         "'Engine core initialization failed'"
     )
-
-
-# Capture dirs are named for their owner, `eagle_fast-hs-{pid}.{start}-XXXXXXXX` (start: the
-# process's start time, so a reused pid is not mistaken for the owner). close() removes a dir; a
-# runner killed with SIGKILL cannot, so every engine start sweeps the dirs of dead owners.
-_STORAGE_NAME = re.compile(r"^eagle_fast-hs-(\d+)\.(\d+)-")
-
-
-def _process_start(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux /proc), or None when unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _storage_prefix() -> str:
-    pid = os.getpid()
-    return f"eagle_fast-hs-{pid}.{_process_start(pid) or 0}-"
-
-
-def _owner_alive(pid: int, start: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    now = _process_start(pid)
-    return start == 0 or now is None or now == start
-
-
-def sweep_orphaned_storage(parent: str) -> list[str]:
-    """Remove capture dirs under `parent` whose owning process is gone; returns their paths.
-
-    Only names this module writes are considered, and only when the owner is provably dead (no
-    such pid, or the pid now belongs to a process that started at another time).
-    """
-    removed = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return removed
-    for name in names:
-        m = _STORAGE_NAME.match(name)
-        if m is None or _owner_alive(int(m.group(1)), int(m.group(2))):
-            continue
-        path = os.path.join(parent, name)
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.exists(path):
-            removed.append(path)
-    if removed:
-        logger.info("removed %d capture dir(s) left by dead runners: %s", len(removed), removed)
-    return removed
 
 
 class VLLMTargetRunner(RunnerBase):
@@ -206,7 +164,7 @@ class VLLMTargetRunner(RunnerBase):
         self.tp_size = int(tp_size)
         self.trust_remote_code = trust_remote_code
         self._user_kwargs = kwargs
-        self._storage_parent = storage_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self._storage_parent = storage_dir  # None: /dev/shm when it has room (_capture_parent)
         self._read_timeout_s = float(read_timeout_s)
         self._on_cpu = compat.is_cpu_platform()
         if self._on_cpu:
@@ -270,9 +228,33 @@ class VLLMTargetRunner(RunnerBase):
             max(_CPU_KV_MIN_BYTES, _CPU_KV_PROMPTS * per_token * self.max_model_len),
         )
 
+    def _capture_parent(self, capture_ids: list[int]) -> str:
+        """The capture dir's parent: the caller's `storage_dir`; else /dev/shm when it has room
+        for one max-length prompt's captures (containers often give it 64 MiB), else TMPDIR."""
+        if self._storage_parent is not None:
+            if not os.path.isdir(self._storage_parent):
+                raise UserError(
+                    f"the capture directory {self._storage_parent} does not exist",
+                    "create it, or pass an existing directory (--capture-dir / storage_dir=)",
+                )
+            return self._storage_parent
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        need = self.max_model_len * (len(capture_ids) * self.hidden_size * itemsize + 8)
+        if os.path.isdir("/dev/shm"):
+            if free_bytes("/dev/shm") >= need:
+                return "/dev/shm"
+            logger.warning(
+                "/dev/shm has %.1f MiB free, less than one %d-token prompt's captures (%.1f MiB): "
+                "capturing to %s instead (pass storage_dir / --capture-dir to choose)",
+                free_bytes("/dev/shm") / 2**20, self.max_model_len, need / 2**20,
+                tempfile.gettempdir(),
+            )
+        return tempfile.gettempdir()
+
     def _start_engine(self, capture_ids: list[int]) -> None:
-        sweep_orphaned_storage(self._storage_parent or tempfile.gettempdir())
-        self._storage = tempfile.mkdtemp(prefix=_storage_prefix(), dir=self._storage_parent)
+        parent = self._capture_parent(capture_ids)
+        sweep_orphaned_storage(parent)
+        self._storage = tempfile.mkdtemp(prefix=storage_prefix(), dir=parent)
         self._storage_finalizer = weakref.finalize(self, shutil.rmtree, self._storage, True)
         try:
             self._llm = compat.build_llm(self._engine_kwargs(capture_ids))
@@ -309,68 +291,86 @@ class VLLMTargetRunner(RunnerBase):
         self._stop_engine()
 
     # -- capture --------------------------------------------------------------------------------
-    def _generate(self, sequences: list[list[int]], prompt_logprobs: int | None = None):
-        """One engine call; returns (outputs, [(aux, final), ...]). Every file is read once and deleted."""
+    def staged_bytes(self, sequences: list[list[int]]) -> int:
+        """Bytes one engine call writes to the capture dir: tokens x capture ids x H x the dtype's
+        size, plus the stored token ids (int64) and a header per file."""
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        per_token = len(self._capture_ids) * self.hidden_size * itemsize + 8
+        return sum(len(s) for s in sequences) * per_token + _HEADER_BYTES * len(sequences)
+
+    def _check_room(self, sequences: list[list[int]]) -> None:
+        """Refuse an engine call whose captures would not fit in the capture dir (vLLM would only
+        log the failed write); every earlier capture still held counts as used."""
+        need = self.staged_bytes(sequences)
+        free = free_bytes(self._storage)
+        if free < need:
+            raise UserError(
+                f"the capture directory {self._storage} has {free / 2**20:,.1f} MiB free, but this "
+                f"engine call writes {need / 2**20:,.1f} MiB ({sum(len(s) for s in sequences):,} "
+                f"tokens x {len(self._capture_ids)} capture ids x H={self.hidden_size} x "
+                f"{torch.empty(0, dtype=self.dtype).element_size()} bytes)",
+                compat.STAGING_FIX,
+            )
+
+    def _engine_call(self, sequences: list[list[int]], prompt_logprobs: int | None = None) -> list:
+        self._check_room(sequences)
         outputs = compat.generate(self._llm, sequences, prompt_logprobs=prompt_logprobs)
-        paths = [compat.hidden_states_path(o) for o in outputs]
-        pending = list(paths)
+        if len(outputs) != len(sequences):
+            self._discard_outputs(sequences, outputs)
+            raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(sequences)} prompts")
+        return outputs
+
+    @staticmethod
+    def _discard_outputs(sequences, outputs) -> None:
+        for out in outputs:
+            params = getattr(out, "kv_transfer_params", None) or {}
+            if params.get("hidden_states_path"):
+                compat.discard(params["hidden_states_path"])
+
+    def _read(self, sequences: list[list[int]], outputs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Read, check and split one engine call's files; every file is read once and deleted."""
+        pending = [getattr(o, "kv_transfer_params", None) or {} for o in outputs]
+        pending = [p["hidden_states_path"] for p in pending if p.get("hidden_states_path")]
         try:
-            if len(outputs) != len(sequences):
-                raise RuntimeError(
-                    f"vLLM returned {len(outputs)} outputs for {len(sequences)} prompts"
-                )
             captures = []
-            for i, (seq, out, path) in enumerate(zip(sequences, outputs, paths)):
+            for i, (seq, out) in enumerate(zip(sequences, outputs)):
+                path = compat.hidden_states_path(out)
                 pending.remove(path)
                 data = compat.read_hidden_states(path, timeout_s=self._read_timeout_s)
                 captures.append(self._split(i, seq, compat.output_token_ids(out), data))
                 del data
-            return outputs, captures
+            return captures
         finally:
             for path in pending:  # an error left files unread: wait for their writes, delete them
                 compat.discard(path)
 
+    def _generate(self, sequences: list[list[int]], prompt_logprobs: int | None = None):
+        """One engine call; returns (outputs, [(aux, final), ...])."""
+        outputs = self._engine_call(sequences, prompt_logprobs)
+        return outputs, self._read(sequences, outputs)
+
     def _capture(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self._generate(sequences)[1]
+
+    def _capture_stream(self, batches: Iterator[list[list[int]]], depth: int):
+        """The engine runs the next batch while the caller consumes this one (`run_ahead`);
+        the files of at most `depth` + 1 calls are staged at a time."""
+        self.ahead_stats = AheadStats()
+        stream = run_ahead(
+            batches, self._engine_call, depth, self._discard_outputs, stats=self.ahead_stats
+        )
+        with contextlib.closing(stream):
+            for sequences, outputs in stream:
+                yield self._read(sequences, outputs)
 
     def _split(
         self, i: int, seq: list[int], prompt_ids: list[int], data: dict
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Check one capture file and split it into (aux [T, 3H], final [T, H])."""
-        hs, token_ids = data.get("hidden_states"), data.get("token_ids")
-        if hs is None or token_ids is None:
-            raise RuntimeError(
-                f"capture {i}: file has keys {sorted(data)}, expected hidden_states and token_ids"
-            )
-        T = len(seq)
-        if prompt_ids != seq or token_ids.tolist() != seq:
-            raise RuntimeError(
-                f"capture {i}: stored token_ids (len {token_ids.numel()}) do not equal the request "
-                f"(len {T}); the engine mixed up requests"
-            )
-        n_ids = len(self._capture_ids)
-        if tuple(hs.shape) != (T, n_ids, self.hidden_size):
-            raise RuntimeError(
-                f"capture {i}: hidden_states shape {tuple(hs.shape)} != expected {(T, n_ids, self.hidden_size)} "
-                "(prefix caching or chunked prefill misaligned the capture?)"
-            )
-        if hs.dtype != self.dtype:
-            raise RuntimeError(
-                f"capture {i}: hidden_states dtype {hs.dtype} != target dtype {self.dtype}"
-            )
-        if not torch.isfinite(hs).all():
-            bad = (~torch.isfinite(hs)).nonzero()[0].tolist()
-            raise RuntimeError(f"capture {i}: non-finite hidden state at [token, slot, dim]={bad}")
-        zero_rows = (hs == 0).all(dim=-1)
-        if zero_rows.any():
-            t, s = zero_rows.nonzero()[0].tolist()
-            raise RuntimeError(
-                f"capture {i}: all-zero hidden state at token {t}, capture id {self._capture_ids[s]} "
-                f"({int(zero_rows.sum())} such rows); the engine did not capture this layer"
-            )
-        aux = hs[:, self._aux_slots, :].reshape(T, -1)
-        final = hs[:, self._final_slot, :].clone()
-        return aux, final
+        return split_capture(
+            data, seq, prompt_ids, capture_ids=self._capture_ids, hidden_size=self.hidden_size,
+            dtype=self.dtype, aux_slots=self._aux_slots, final_slot=self._final_slot, name=f"capture {i}",
+        )  # fmt: skip
 
     # -- self-check against the engine's own log-probs -------------------------------------------
     def engine_prompt_logprobs(

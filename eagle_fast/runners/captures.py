@@ -1,0 +1,319 @@
+"""The host side of a capture: checks at memory speed, and an engine that runs ahead.
+
+Checks: non-finite values and all-zero rows.
+
+A capture at real shapes is hundreds of MB (8,192 tokens x 4 ids x H=4096 bf16 is 268 MB), so
+its checks must cost about one read of the bytes. Both checks come from two per-row reductions,
+max and min over the hidden dim: a row holds a NaN or an inf exactly when its max or min is not
+finite (torch's max and min propagate NaN), and a row is all zero (+0 or -0) exactly when both
+are 0. Rows go in chunks of a few MiB, so the second reduction reads what the first just brought
+into cache, and no bool tensor the size of the capture is ever made.
+Staging: the capture dir's name, its free space, and the sweep of dirs whose runner died.
+
+Run ahead: `run_ahead` calls an engine on the next batch in a thread of its own while the
+caller consumes the last one (reads its files, runs the head, hands it to a writer), with at
+most `depth` finished batches waiting; it times how long the engine thread spent in the engine.
+Limits: the checks take CPU or CUDA tensors alike and allocate only per-row results ([rows,
+slots]); a batch the engine finished but nobody consumed (an error, a stop) is handed to
+`discard`, so its files are removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHUNK_BYTES",
+    "AheadStats",
+    "RowScan",
+    "free_bytes",
+    "process_start",
+    "row_extrema",
+    "run_ahead",
+    "scan_rows",
+    "split_capture",
+    "storage_prefix",
+    "sweep_orphaned_storage",
+]
+
+logger = logging.getLogger(__name__)
+
+# Bytes of rows per chunk: a few MiB, so the min pass hits the cache the max pass filled, and
+# each reduction is still large enough for the thread pool to split without idling.
+CHUNK_BYTES = 4 << 20
+
+
+def row_extrema(x: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row `(max, min)` over the last dim of `x [R, ..., D]`, each `[R, ...]` in x's dtype.
+
+    NaN anywhere in a row makes both NaN; chunked over dim 0 (`chunk_bytes` of rows at a time).
+    """
+    if x.dim() < 2:
+        raise ValueError(f"row_extrema needs [rows, ..., dim], got shape {tuple(x.shape)}")
+    hi = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
+    lo = torch.empty_like(hi)
+    rows = x.shape[0]
+    per_row = max(1, x[0].numel() * x.element_size()) if rows else 1
+    step = max(1, chunk_bytes // per_row)
+    for a in range(0, rows, step):
+        chunk = x[a:a + step]
+        torch.amax(chunk, dim=-1, out=hi[a:a + step])
+        torch.amin(chunk, dim=-1, out=lo[a:a + step])
+    return hi, lo
+
+
+class RowScan:
+    """What `scan_rows` found: the first non-finite element and the all-zero rows."""
+
+    def __init__(self, x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor):
+        self._x = x
+        finite = torch.isfinite(hi) & torch.isfinite(lo)
+        self.zero_rows = (hi == 0) & (lo == 0)  # [R, ...] bool: small, one entry per row
+        self.all_finite = bool(finite.all())
+        self._finite = finite
+
+    def first_nonfinite(self) -> list[int] | None:
+        """Index of the first non-finite element (row index + last-dim index), None if none."""
+        if self.all_finite:
+            return None
+        row = (~self._finite).nonzero()[0].tolist()
+        col = int((~torch.isfinite(self._x[tuple(row)])).nonzero()[0])
+        return [*row, col]
+
+    def first_zero_row(self) -> list[int] | None:
+        """Index of the first all-zero row, None if none."""
+        if not bool(self.zero_rows.any()):
+            return None
+        return self.zero_rows.nonzero()[0].tolist()
+
+
+def scan_rows(x: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> RowScan:
+    """Scan `x [R, ..., D]` once for non-finite values and all-zero rows (see the module doc)."""
+    hi, lo = row_extrema(x, chunk_bytes)
+    return RowScan(x, hi, lo)
+
+
+@dataclass
+class AheadStats:
+    """Where the engine thread's time went in one `run_ahead` stream (seconds)."""
+
+    engine: float = 0.0  # inside the engine call
+    waiting: float = 0.0  # holding a finished batch because the consumer was behind
+    total: float = 0.0  # from the first engine call's start to the last one's end
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.engine / self.total if self.total > 0 else 0.0
+
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def run_ahead(
+    items: Iterable[Any],
+    engine: Callable[[Any], Any],
+    depth: int,
+    discard: Callable[[Any, Any], None],
+    stats: AheadStats | None = None,
+) -> Iterator[tuple[Any, Any]]:
+    """Yield `(item, engine(item))` in order, calling `engine` on later items in a thread while
+    the caller works on earlier ones; at most `depth` (>= 1) results wait for the caller.
+
+    An error in the engine thread is raised here, at the point the caller would have received
+    that item. When the caller stops early (an error, `close()`), the thread finishes its call
+    in flight, and every result it made that was never yielded goes to `discard(item, result)`.
+    """
+    if depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    done: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    stats = stats if stats is not None else AheadStats()
+
+    def hand_over(entry) -> bool:
+        while not stop.is_set():
+            try:
+                done.put(entry, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        start = None
+        try:
+            for item in items:
+                if stop.is_set():
+                    return
+                t0 = time.perf_counter()
+                start = t0 if start is None else start
+                result = engine(item)
+                t1 = time.perf_counter()
+                stats.engine += t1 - t0
+                stats.total = t1 - start
+                if not hand_over((item, result)):
+                    discard(item, result)
+                    return
+                stats.waiting += time.perf_counter() - t1
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            hand_over(_Failed(exc))
+            return
+        hand_over(_END)
+
+    thread = threading.Thread(target=produce, name="eagle-fast-engine", daemon=True)
+    thread.start()
+    try:
+        while True:
+            entry = done.get()
+            if entry is _END:
+                return
+            if isinstance(entry, _Failed):
+                raise entry.error
+            yield entry
+    finally:
+        stop.set()
+        thread.join()
+        while True:
+            try:
+                entry = done.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(entry, tuple):
+                discard(*entry)
+
+
+
+def split_capture(
+    data: dict,
+    seq: list[int],
+    prompt_ids: list[int],
+    *,
+    capture_ids: list[int],
+    hidden_size: int,
+    dtype: torch.dtype,
+    aux_slots: list[int],
+    final_slot: int,
+    name: str = "capture",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check one engine capture file's tensors and split them into `(aux [T, 3H], final [T, H])`.
+
+    `data`: the file's `{hidden_states [T, n_ids, H], token_ids [T]}`; `seq`: the tokens asked
+    for, `prompt_ids`: those the engine reports. Raises RuntimeError, naming `name`, when the
+    token ids, the shape or the dtype are off, or a value is non-finite, or a row is all zero.
+    One pass over the bytes (`scan_rows`). When the aux slots are consecutive (ascending aux
+    ids) both results are views of `data`'s tensor: the store's write and the head's norm make
+    the one copy each needs; otherwise aux is gathered (one copy).
+    """
+    hs, token_ids = data.get("hidden_states"), data.get("token_ids")
+    if hs is None or token_ids is None:
+        raise RuntimeError(f"{name}: file has keys {sorted(data)}, expected hidden_states and token_ids")
+    T = len(seq)
+    if prompt_ids != seq or token_ids.tolist() != seq:
+        raise RuntimeError(
+            f"{name}: stored token_ids (len {token_ids.numel()}) do not equal the request "
+            f"(len {T}); the engine mixed up requests"
+        )
+    expected = (T, len(capture_ids), hidden_size)
+    if tuple(hs.shape) != expected:
+        raise RuntimeError(
+            f"{name}: hidden_states shape {tuple(hs.shape)} != expected {expected} "
+            "(prefix caching or chunked prefill misaligned the capture?)"
+        )
+    if hs.dtype != dtype:
+        raise RuntimeError(f"{name}: hidden_states dtype {hs.dtype} != target dtype {dtype}")
+    scan = scan_rows(hs)
+    bad = scan.first_nonfinite()
+    if bad is not None:
+        raise RuntimeError(
+            f"{name}: non-finite hidden state at [token, slot, dim]={bad}; "
+            "check --dtype (fp16 overflows on some models)"
+        )
+    zero = scan.first_zero_row()
+    if zero is not None:
+        t, slot = zero
+        raise RuntimeError(
+            f"{name}: all-zero hidden state at token {t}, capture id {capture_ids[slot]} "
+            f"({int(scan.zero_rows.sum())} such rows); the engine did not capture this layer"
+        )
+    first = aux_slots[0]
+    if list(aux_slots) == list(range(first, first + len(aux_slots))):
+        aux = hs[:, first:first + len(aux_slots), :].reshape(T, -1)  # a view: [T, 3H], row stride n_ids*H
+    else:
+        aux = hs[:, list(aux_slots), :].reshape(T, -1)
+    return aux, hs[:, final_slot, :]
+
+# -- staging ------------------------------------------------------------------------------------
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer can still put on `path`'s filesystem."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+# Capture dirs are named for their owner, `eagle_fast-hs-{pid}.{start}-XXXXXXXX` (start: the
+# process's start time, so a reused pid is not mistaken for the owner). close() removes a dir; a
+# runner killed with SIGKILL cannot, so every engine start sweeps the dirs of dead owners.
+_STORAGE_NAME = re.compile(r"^eagle_fast-hs-(\d+)\.(\d+)-")
+
+
+def process_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (Linux /proc), or None when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def storage_prefix() -> str:
+    pid = os.getpid()
+    return f"eagle_fast-hs-{pid}.{process_start(pid) or 0}-"
+
+
+def _owner_alive(pid: int, start: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    now = process_start(pid)
+    return start == 0 or now is None or now == start
+
+
+def sweep_orphaned_storage(parent: str) -> list[str]:
+    """Remove capture dirs under `parent` whose owning process is gone; returns their paths.
+
+    Only names this module writes are considered, and only when the owner is provably dead (no
+    such pid, or the pid now belongs to a process that started at another time).
+    """
+    removed = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        m = _STORAGE_NAME.match(name)
+        if m is None or _owner_alive(int(m.group(1)), int(m.group(2))):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    if removed:
+        logger.info("removed %d capture dir(s) left by dead runners: %s", len(removed), removed)
+    return removed
