@@ -13,6 +13,7 @@ Weight names are found by suffix, so the decoder may sit under any prefix (`mode
 architecture (`_ARCH_HEADS`); for anything else the error names what is missing, and
 `overrides={"norm": ..., "eps": ..., "logit_scale": ..., "softcap": ...}` supplies it.
 
+Weights that are not finite are refused when the head is built (`check_finite`: one read).
 `TargetHead.compute` runs `eagle_fast.kernels.lm_head` (fused Triton on CUDA, PyTorch reference
 elsewhere) and returns its `HeadOutput`. Limits: RMSNorm-style final norms only (LayerNorm with
 bias, e.g. Cohere or GPT-2, is rejected); no tensor-parallel sharding of the head.
@@ -30,9 +31,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from eagle_fast.errors import UserError
 from eagle_fast.kernels import lm_head, lm_head_logits
 
-__all__ = ["HeadSpec", "TargetHead", "head_spec_from_config", "text_config"]
+__all__ = ["HeadSpec", "TargetHead", "check_finite", "head_spec_from_config", "text_config"]
 
 # model_type -> (norm variant, how the logit scale is derived, softcap attribute or None).
 # Every entry was checked against the transformers modeling code of the family: the final norm
@@ -272,6 +274,10 @@ class TargetHead:
             raise ValueError(
                 f"norm_weight must be [H={lm_head_weight.shape[1]}] for norm={spec.norm!r}, got {shape}"
             )
+        names = (source or {}).get("lm_head", "lm_head_weight"), (source or {}).get("norm", "norm_weight")
+        for name, w in zip(names, (lm_head_weight, norm_weight)):
+            if w is not None:
+                check_finite(name, w)
         self.lm_head_weight = lm_head_weight
         self.norm_weight = norm_weight
         self.spec = spec
@@ -448,6 +454,24 @@ class TargetHead:
         return (
             f"TargetHead(V={self.vocab_size}, H={self.hidden_size}, dtype={self.dtype}, "
             f"device={self.device}, tied={self.tied}, spec={self.spec})"
+        )
+
+
+def check_finite(name: str, weight: torch.Tensor, rows_per_chunk: int = 1024) -> None:
+    """Raise UserError naming the first row (of [V, H]; element of [H]) of `weight` holding NaN
+    or inf. One read in row chunks: a row's max |x| is NaN or inf exactly when the row holds
+    one, so no bool tensor the size of the weight exists; one host sync."""
+    rows = weight.reshape(-1, weight.shape[-1]) if weight.dim() > 1 else weight.reshape(-1, 1)
+    peak = torch.cat([c.abs().amax(dim=1) for c in rows.split(rows_per_chunk)])
+    bad = ~torch.isfinite(peak)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        what = "NaN" if bool(rows[row].isnan().any()) else "inf"
+        where = f"row {row}" if weight.dim() > 1 else f"element {row}"
+        raise UserError(
+            f"{name} {where} has {what} ({int(bad.sum())} of {rows.shape[0]} "
+            f"{where.split()[0]}s are not finite): the checkpoint is corrupt",
+            "re-download or re-convert the checkpoint",
         )
 
 
