@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import Self
 
 import torch
 
@@ -160,7 +159,7 @@ class PhaseClock:
         self.seconds: dict[str, float] = {}
         self._t = 0.0
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> PhaseClock:  # noqa: PYI034 (typing.Self is 3.11+, no subclasses)
         self._t = time.perf_counter()
         PhaseClock.active = self
         return self
