@@ -462,9 +462,14 @@ def cpu_ops_section(d: dict) -> list[str]:
 
 def storage_section(d: dict | None) -> list[str]:
     """Bytes per token from shapes (storage_table.py, always) and the measured fidelity (bench_storage)."""
-    import storage_table
+    title = "## Storage: bytes per token of every option, and what the compact ones lose"
+    try:  # storage_table reads the store's layouts, which need safetensors; the rest needs torch only
+        import storage_table
+    except ImportError as e:  # a bare GPU box (gpu_check.sh): the head's sections still render
+        return [title, "", (f"Not computed here: `bench/storage_table.py` needs `{e.name or e}`, which this "
+                "Python lacks; run `python bench/report.py` where the project's dependencies are installed."), ""]
 
-    out = ["## Storage: bytes per token of every option, and what the compact ones lose", "",
+    out = [title, "",
            "Computed from the layouts' declared fields (`python bench/storage_table.py`; by field: `--by-field`).", "",
            storage_table.markdown(storage_table.table()), ""]
     if d is None:
