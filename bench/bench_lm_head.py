@@ -503,7 +503,7 @@ def _gpu_targets(v: H.Verdicts, records, shape: HeadShape, modes, tag: str = "")
         if tri["status"].startswith("error"):
             v.check(f"GPU ({where})", False, tri["status"])
             continue
-        bound = 1.3 if mode == "topk64" else 1.15
+        bound = 1.25 if mode == "topk64" else 1.10  # the GPU goals, raised from 1.3x / 1.15x
         if gemm and gemm["median_s"]:
             r = tri["median_s"] / gemm["median_s"]
             v.check(f"GPU time ({where}): triton <= {bound}x bare GEMM", r <= bound,
