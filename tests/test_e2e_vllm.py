@@ -105,7 +105,7 @@ import eagle_fast.pipeline.run as ex
 from eagle_fast.runners.vllm import VLLMTargetRunner
 
 KW = json.loads(sys.argv[1])
-_compute = ex.compute_batch
+_compute = ex.supervise_batch
 
 
 def slow(*args, **kwargs):  # leave the test time to kill the run between two shards
@@ -114,7 +114,7 @@ def slow(*args, **kwargs):  # leave the test time to kill the run between two sh
     return out
 
 
-ex.compute_batch = slow
+ex.supervise_batch = slow
 ex.default_runner_factory = lambda engine, model, dtype, max_len, **_: VLLMTargetRunner.build(
     model, dtype=dtype, vllm_kwargs=dict(KW))  # the same engine settings as the shared engine
 

@@ -35,7 +35,14 @@ from eagle_fast.files import atomic_write_bytes
 from eagle_fast.inputs import ShardPlan, plan_batches
 from eagle_fast.pipeline.config import log
 from eagle_fast.pipeline.prepare import Prepared, _clean_temps
-from eagle_fast.pipeline.run import _Writer, build_runner, compute_batch, new_progress, record_shard
+from eagle_fast.pipeline.run import (
+    _Writer,
+    build_runner,
+    capture_batches,
+    new_progress,
+    record_shard,
+    supervise_batch,
+)
 from eagle_fast.runners.engine_settings import V1_RUNNER_ENV
 from eagle_fast.store import make_layout
 from eagle_fast.store.layouts import LayoutSpec
@@ -214,10 +221,14 @@ class _ShardWorker:
         j = self.job
         with self.engine:
             self._ensure()
-            for batch in plan_batches(shard, j.batch_tokens):
-                results = compute_batch(self.runner, [shard.samples[i] for i in batch], self.layout,
-                                        j.draft_ids, j.k)
-                self.writer.put((shard, list(zip(batch, results))))
+            batches = plan_batches(shard, j.batch_tokens)  # the engine runs one batch ahead
+            stream = capture_batches(self.runner, ([shard.samples[i].input_ids for i in batch]
+                                                   for batch in batches))
+            with contextlib.closing(stream):
+                for batch, caps in zip(batches, stream):
+                    results = supervise_batch(self.runner, [shard.samples[i] for i in batch], caps,
+                                              self.layout, j.draft_ids, j.k)
+                    self.writer.put((shard, list(zip(batch, results))))
         with self.cond:
             while shard.index not in self.committed:
                 if self.writer.error is not None:

