@@ -1,13 +1,13 @@
-"""The host side of a capture: checks at memory speed, and an engine that runs ahead.
+"""The host side of a capture: checks at memory speed, the capture dir, and an engine that runs ahead.
 
-Checks: non-finite values and all-zero rows.
+Checks: non-finite values and all-zero rows. A capture at real shapes is hundreds of MB (8,192
+tokens x 4 ids x H=4096 bf16 is 268 MB), so its checks must cost about one read of the bytes.
+One reduction finds every suspect: each row's sum over the hidden dim (NaN and inf propagate
+through a sum, and +inf + -inf is NaN; an all-zero row, +0 or -0, sums to exactly 0). Only the
+suspect rows are then checked element by element: a finite row whose sum overflows, or one
+whose values cancel to 0, is cleared there. So the result is exact, a clean capture costs one
+pass, and no bool tensor the size of the capture is ever made.
 
-A capture at real shapes is hundreds of MB (8,192 tokens x 4 ids x H=4096 bf16 is 268 MB), so
-its checks must cost about one read of the bytes. Both checks come from two per-row reductions,
-max and min over the hidden dim: a row holds a NaN or an inf exactly when its max or min is not
-finite (torch's max and min propagate NaN), and a row is all zero (+0 or -0) exactly when both
-are 0. Rows go in chunks of a few MiB, so the second reduction reads what the first just brought
-into cache, and no bool tensor the size of the capture is ever made.
 Staging: the capture dir's name, its free space, and the sweep of dirs whose runner died.
 
 Run ahead: `run_ahead` calls an engine on the next batch in a thread of its own while the
@@ -34,12 +34,10 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CHUNK_BYTES",
     "AheadStats",
     "RowScan",
     "free_bytes",
     "process_start",
-    "row_extrema",
     "run_ahead",
     "scan_rows",
     "split_capture",
@@ -49,45 +47,28 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Bytes of rows per chunk: a few MiB, so the min pass hits the cache the max pass filled, and
-# each reduction is still large enough for the thread pool to split without idling.
-CHUNK_BYTES = 4 << 20
-
-
-def row_extrema(x: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row `(max, min)` over the last dim of `x [R, ..., D]`, each `[R, ...]` in x's dtype.
-
-    NaN anywhere in a row makes both NaN; chunked over dim 0 (`chunk_bytes` of rows at a time).
-    """
-    if x.dim() < 2:
-        raise ValueError(f"row_extrema needs [rows, ..., dim], got shape {tuple(x.shape)}")
-    hi = torch.empty(x.shape[:-1], dtype=x.dtype, device=x.device)
-    lo = torch.empty_like(hi)
-    rows = x.shape[0]
-    per_row = max(1, x[0].numel() * x.element_size()) if rows else 1
-    step = max(1, chunk_bytes // per_row)
-    for a in range(0, rows, step):
-        chunk = x[a:a + step]
-        torch.amax(chunk, dim=-1, out=hi[a:a + step])
-        torch.amin(chunk, dim=-1, out=lo[a:a + step])
-    return hi, lo
-
-
 class RowScan:
-    """What `scan_rows` found: the first non-finite element and the all-zero rows."""
+    """What `scan_rows` found in `x [R, ..., D]`: the non-finite rows and the all-zero rows."""
 
-    def __init__(self, x: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor):
+    def __init__(self, x: torch.Tensor):
         self._x = x
-        finite = torch.isfinite(hi) & torch.isfinite(lo)
-        self.zero_rows = (hi == 0) & (lo == 0)  # [R, ...] bool: small, one entry per row
-        self.all_finite = bool(finite.all())
-        self._finite = finite
+        sums = x.sum(dim=-1)  # [R, ...]: the one pass over x
+        self.nonfinite_rows = self._confirm(~torch.isfinite(sums), lambda r: ~torch.isfinite(r).all(-1))
+        self.zero_rows = self._confirm(sums == 0, lambda r: (r == 0).all(-1))
+        self.all_finite = not bool(self.nonfinite_rows.any())
+
+    def _confirm(self, suspects: torch.Tensor, exact) -> torch.Tensor:
+        """`suspects` narrowed to the rows where `exact(rows [n, D]) -> [n] bool` holds."""
+        idx = suspects.nonzero(as_tuple=True)
+        if idx[0].numel():
+            suspects[idx] = exact(self._x[idx])
+        return suspects
 
     def first_nonfinite(self) -> list[int] | None:
         """Index of the first non-finite element (row index + last-dim index), None if none."""
         if self.all_finite:
             return None
-        row = (~self._finite).nonzero()[0].tolist()
+        row = self.nonfinite_rows.nonzero()[0].tolist()
         col = int((~torch.isfinite(self._x[tuple(row)])).nonzero()[0])
         return [*row, col]
 
@@ -98,10 +79,11 @@ class RowScan:
         return self.zero_rows.nonzero()[0].tolist()
 
 
-def scan_rows(x: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> RowScan:
-    """Scan `x [R, ..., D]` once for non-finite values and all-zero rows (see the module doc)."""
-    hi, lo = row_extrema(x, chunk_bytes)
-    return RowScan(x, hi, lo)
+def scan_rows(x: torch.Tensor) -> RowScan:
+    """Scan `x [R, ..., D]` for non-finite values and all-zero rows in one pass (module doc)."""
+    if x.dim() < 2:
+        raise ValueError(f"scan_rows needs [rows, ..., dim], got shape {tuple(x.shape)}")
+    return RowScan(x)
 
 
 @dataclass
