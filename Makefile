@@ -38,7 +38,7 @@ ISA_TESTS  := tests/test_lm_head.py tests/test_runner_hf.py tests/test_runner_vl
 
 test: $(STAMP)
 	@$(BIN)/python -c "from eagle_fast.kernels._cpu import cpu_isa, cpu_model; print('cpu:', cpu_model(), '-', cpu_isa())"
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 ifeq ($(HAS_AVX512),1)
 	@$(MAKE) --no-print-directory test-avx2
 endif

@@ -113,7 +113,10 @@ def tiny_no_tokenizer(tiny_dir, tiny_llama):
 # L-1 = 3, whose capture slot is the final hidden's. Tests that need other ids build their own.
 RUNNER_AUX_IDS = (0, 1, 3)
 # Small KV cache: the tiny models need a few MiB, and the default would reserve far more.
-VLLM_TEST_KWARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 32 << 20}
+# 16-token engine steps: prompts longer than a step, or cut by one, are prefilled in chunks, so every vLLM test
+# checks chunked captures against transformers.
+VLLM_TEST_KWARGS = {"max_model_len": 512, "kv_cache_memory_bytes": 32 << 20, "max_num_batched_tokens": 16,
+                    "max_num_seqs": 16}
 
 
 @pytest.fixture(scope="session")

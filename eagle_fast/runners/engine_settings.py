@@ -151,10 +151,9 @@ class VLLMSettings:
         """`VLLMTargetRunner.build` keywords for a run whose longest sample has `longest` tokens.
 
         max_model_len: the user's, which must hold the longest sample plus the one generated
-        token, else longest + 1. max_num_batched_tokens (unless given): the run's own step
-        budget `step_tokens`, raised to max_model_len, since with chunked prefill off a step
-        holds whole prompts (vLLM refuses less). Without a budget vLLM's default stays:
-        max(max_model_len, 16384 on big GPUs), a 131k-token step at Llama-3.1's context.
+        token, else longest + 1. max_num_batched_tokens (unless given): the run's own step budget
+        `step_tokens`; chunked prefill splits a longer prompt over several steps. Without a budget
+        vLLM's default stays.
         """
         kwargs = self.merged()
         need = longest + 1
@@ -163,15 +162,10 @@ class VLLMSettings:
             raise UserError(f"--max-model-len {mml} cannot hold the longest sample ({longest} tokens) plus the "
                             "one token vLLM generates", f"pass --max-model-len {need} or more, or "
                             f"--max-len {mml - 1} (longer samples are truncated or skipped, see --overlong)")
-        step = kwargs.get("max_num_batched_tokens")
-        if step is None and step_tokens is not None:
-            step = kwargs["max_num_batched_tokens"] = max(int(step_tokens), mml)
+        if kwargs.get("max_num_batched_tokens") is None and step_tokens is not None:
+            step = kwargs["max_num_batched_tokens"] = int(step_tokens)
             if step < _SEQS_FLOOR_TOKENS and "max_num_seqs" not in kwargs:
                 kwargs["max_num_seqs"] = min(step, _SMALL_STEP_MAX_SEQS)
-        elif step is not None and step < mml:
-            raise UserError(f"--engine-args max_num_batched_tokens {step} is below max_model_len {mml}: with "
-                            "chunked prefill off every step holds whole prompts",
-                            f"pass max_num_batched_tokens {mml} or more, or leave it unset")
         return {"tp_size": self.tensor_parallel_size, "storage_dir": self.capture_dir, "vllm_kwargs": kwargs}
 
 
