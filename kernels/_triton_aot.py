@@ -17,8 +17,8 @@ import triton
 from triton.compiler import ASTSource
 
 from ._triton_config import Variant, default_config, fwd_constexprs, norm_config
-from ._triton_norm import _rms_norm_kernel
-from .lm_head_triton import _lm_head_fwd_kernel
+from ._triton_norm import rms_norm_kernel
+from .lm_head_triton import lm_head_fwd_kernel
 
 # Register spills (bytes, ptxas stores + loads) allowed for top-k variants, which keep the
 # fp32 tile live through the extraction loop; tests/test_lm_head_aot.py asserts it, and
@@ -27,7 +27,7 @@ TOPK_SPILL_BOUND = 0
 
 
 def fwd_signature(variant: Variant) -> dict:
-    """Argument types of `_lm_head_fwd_kernel` for `variant`, constexprs aside."""
+    """Argument types of `lm_head_fwd_kernel` for `variant`, constexprs aside."""
     w = "*" + variant.weight
     ptrs = {
         "Y_ptr": w,
@@ -97,12 +97,12 @@ def aot_variants() -> list[tuple[str, Variant]]:
 
 
 def compile_for(target, variant: Variant, n_rows: int = 8192, V: int = 151_936, H: int = 4096):
-    """Compile `_lm_head_fwd_kernel` ahead of time with the launcher's own config for
+    """Compile `lm_head_fwd_kernel` ahead of time with the launcher's own config for
     (n_rows, V, H); returns (compiled kernel, config). Needs no GPU."""
     cfg = default_config(variant, n_rows, V, H, interpret=False)
     sig = fwd_signature(variant)
     constexprs = fwd_constexprs(variant, cfg, interpret=False)
-    names = _lm_head_fwd_kernel.arg_names
+    names = lm_head_fwd_kernel.arg_names
     for name in constexprs:
         sig[name] = "constexpr"
     sig = {name: sig[name] for name in names}
@@ -114,13 +114,13 @@ def compile_for(target, variant: Variant, n_rows: int = 8192, V: int = 151_936, 
     for i, name in enumerate(names):
         if sig[name].startswith("*") or (name in values and values[name] % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=_lm_head_fwd_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    src = ASTSource(fn=lm_head_fwd_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return triton.compile(src, target=target, options=opts), cfg
 
 
 def compile_norm_for(target, hidden: str, weight: str, norm_mode: int, H: int = 4096):
-    """Compile `_rms_norm_kernel` ahead of time as the launcher launches it on a GPU."""
+    """Compile `rms_norm_kernel` ahead of time as the launcher launches it on a GPU."""
     block_m, block_h, num_warps = norm_config(H, interpret=False)
     constexprs = {
         "BLOCK_M": block_m,
@@ -131,8 +131,8 @@ def compile_norm_for(target, hidden: str, weight: str, norm_mode: int, H: int = 
     sig = {"X_ptr": "*" + hidden, "NW_ptr": "*" + hidden, "Y_ptr": "*" + weight}
     sig.update(dict.fromkeys(["N", "H", "stride_xm", "stride_ym"], "i32"), eps="fp32")
     sig.update(dict.fromkeys(constexprs, "constexpr"))
-    sig = {name: sig[name] for name in _rms_norm_kernel.arg_names}
+    sig = {name: sig[name] for name in rms_norm_kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(7)}
-    src = ASTSource(fn=_rms_norm_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    src = ASTSource(fn=rms_norm_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps, "num_stages": 1}
     return triton.compile(src, target=target, options=opts)

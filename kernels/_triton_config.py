@@ -1,6 +1,6 @@
 """Variants and block sizes of the head's Triton kernels, and the opt-in autotuner.
 
-Design: a `Variant` (dtypes and output-mode flags) selects one compiled `_lm_head_fwd_kernel`;
+Design: a `Variant` (dtypes and output-mode flags) selects one compiled `lm_head_fwd_kernel`;
 `default_config` is the one place its block sizes are chosen, deterministically, with the
 reason beside each choice (tests/test_lm_head_aot.py compiles exactly these for sm_90);
 `norm_config` does the same for the norm prologue. `fwd_constexprs` turns a variant and a
@@ -21,7 +21,7 @@ TL_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 @dataclass(frozen=True)
 class Config:
-    """Block sizes and launch options of `_lm_head_fwd_kernel`."""
+    """Block sizes and launch options of `lm_head_fwd_kernel`."""
 
     BLOCK_N: int
     BLOCK_V: int
@@ -33,7 +33,7 @@ class Config:
 
 @dataclass(frozen=True)
 class Variant:
-    """What selects a compiled `_lm_head_fwd_kernel`: dtypes and output-mode constexprs."""
+    """What selects a compiled `lm_head_fwd_kernel`: dtypes and output-mode constexprs."""
 
     weight: str = "bf16"  # "bf16" | "fp16" | "fp32"
     out: str = "fp32"  # dtype of the logits output
@@ -115,7 +115,7 @@ def norm_config(H: int, interpret: bool) -> tuple[int, int, int]:
 
 
 def fwd_constexprs(variant: Variant, cfg: Config, interpret: bool) -> dict:
-    """The meta-parameters of `_lm_head_fwd_kernel` for `variant` under `cfg`."""
+    """The meta-parameters of `lm_head_fwd_kernel` for `variant` under `cfg`."""
     return {
         "BLOCK_N": cfg.BLOCK_N,
         "BLOCK_V": cfg.BLOCK_V,

@@ -1,6 +1,6 @@
 """Host side of the Triton head: per-tile scratch and the merges that reduce it per row.
 
-Design: `_lm_head_fwd_kernel` leaves, per (row, vocab tile), a max, a sum of exp and an
+Design: `lm_head_fwd_kernel` leaves, per (row, vocab tile), a max, a sum of exp and an
 argmax, top-k candidates as int64 keys (`_triton_jit.pack_key`; target ids, or draft indices
 for the draft top-k) and draft statistics, in a `Scratch`. Torch merges them: lse by
 logaddexp over tiles, top-k by torch.topk over the keys, and the mass outside the top-k

@@ -3,7 +3,7 @@
 Design: one program per row on a GPU (a whole row per block, fp32 statistics), IEEE sqrt
 and division like the reference's fp32 1/sqrt; y is rounded exactly as `reference.normalize`
 rounds it (twice for Llama-style RMSNorm: x * r, then its product with the weight; once for
-Gemma's (1 + w) form), so `_lm_head_fwd_kernel` reads both GEMM operands unchanged.
+Gemma's (1 + w) form), so `lm_head_fwd_kernel` reads both GEMM operands unchanged.
 Limits: a whole row must fit one block (BLOCK_H = next power of two >= H).
 """
 
@@ -20,7 +20,7 @@ from ._triton_jit import round_rne
 
 
 @triton.jit
-def _rms_norm_kernel(
+def rms_norm_kernel(
     # pointers
     X_ptr,  # [N, H] hidden, bf16 | fp16 | fp32
     NW_ptr,  # [H] norm weight (unused when NORM_MODE == 0)
@@ -80,7 +80,7 @@ def normalize_triton(req: HeadRequest, interpret: bool) -> torch.Tensor:
     mode = {"none": 0, "rms": 1, "rms_one_plus": 2}[req.norm]
     block_m, block_h, num_warps = norm_config(H, interpret)
     run_kernel(
-        _rms_norm_kernel, (triton.cdiv(N, block_m),), interpret,
+        rms_norm_kernel, (triton.cdiv(N, block_m),), interpret,
         hidden, nw, y, N, H, hidden.stride(0), y.stride(0), float(req.eps),
         BLOCK_M=block_m, BLOCK_H=block_h, NORM_MODE=mode, INTERPRET=interpret, num_warps=num_warps,
     )  # fmt: skip

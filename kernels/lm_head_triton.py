@@ -9,7 +9,7 @@ Design
   1. The norm prologue (`_triton_norm`) writes y = norm(x) in the weight dtype, rounded as
      `reference.normalize` rounds it, so both GEMM operands stream from global to shared
      memory unchanged; a norm inside the K-loop would route every A tile through registers.
-  2. `_lm_head_fwd_kernel`: one program per [BLOCK_N rows x BLOCK_V vocab] tile in grouped
+  2. `lm_head_fwd_kernel`: one program per [BLOCK_N rows x BLOCK_V vocab] tile in grouped
      order (GROUP_SIZE row blocks sweep the vocabulary together, so a weight tile is read
      from HBM once per group), fp32 accumulation, then an epilogue on the fp32 tile: scale,
      softcap, per-(row, tile) max / argmax (ties to the lower id, NaN ranked as +inf so every
@@ -81,11 +81,11 @@ _SCRATCH_BYTES = 256 << 20
 _TOPK_ROUNDS = 8
 
 
-# ----------------------------------------------------------------------------- kernels
+# ------------------------------------- kernels (public: _triton_aot compiles them ahead of time)
 
 
 @triton.jit
-def _lm_head_fwd_kernel(
+def lm_head_fwd_kernel(
     # pointers
     Y_ptr,  # [N, H] normalised activations, weight dtype
     W_ptr,  # [V, H] LM-head weight (row stride stride_wv, unit column stride)
@@ -361,7 +361,7 @@ class _Head:
         variant = replace(variant, even_h=self.H % cfg.BLOCK_H == 0)
         softcap = self.req.softcap
         run_kernel(
-            _lm_head_fwd_kernel, (triton.cdiv(R, cfg.BLOCK_N) * T,), self.interpret,
+            lm_head_fwd_kernel, (triton.cdiv(R, cfg.BLOCK_N) * T,), self.interpret,
             y_rows, w,
             logits if logits is not None else scr.part_m,
             stage if stage is not None else scr.part_m,

@@ -35,7 +35,7 @@ def launches(monkeypatch):
     real = lm.run_kernel
 
     def spy(kernel, grid, interpret, *args, **kw):
-        if kernel is lm._lm_head_fwd_kernel:
+        if kernel is lm.lm_head_fwd_kernel:
             seen.append((kw["DRAFT_TOPK"], kw["HAS_TILE_LIST"], args[17]))
         return real(kernel, grid, interpret, *args, **kw)
 

@@ -1,6 +1,6 @@
 """Ahead-of-time compilation of the head kernels for Hopper (sm_90), on a machine without a GPU.
 
-Every `_lm_head_fwd_kernel` variant in `_triton_aot.aot_variants()` is compiled with the block
+Every `lm_head_fwd_kernel` variant in `_triton_aot.aot_variants()` is compiled with the block
 sizes, warps and stages the launcher picks for N=8192, H=4096, V=151,936 (`compile_for` uses
 the launcher's own `default_config`), and the norm prologue for each norm mode. Asserted:
   - bf16 / fp16 weights run on tensor cores: `wgmma` in the PTX;
@@ -32,7 +32,7 @@ triton = pytest.importorskip("triton")
 lm = importlib.import_module("eagle_fast.kernels.lm_head_triton")
 aot = importlib.import_module("eagle_fast.kernels._triton_aot")
 cfgs = importlib.import_module("eagle_fast.kernels._triton_config")
-if not isinstance(lm._lm_head_fwd_kernel, triton.runtime.jit.JITFunction):
+if not isinstance(lm.lm_head_fwd_kernel, triton.runtime.jit.JITFunction):
     # TRITON_INTERPRET=1 at import time made them InterpretedFunctions
     pytest.skip("kernels were built for the interpreter: no AOT compile", allow_module_level=True)
 

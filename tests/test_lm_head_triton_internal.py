@@ -75,7 +75,7 @@ def _rounding_probe(dtype) -> torch.Tensor:
 
 
 def test_interpreter_launch_leaves_triton_untouched():
-    if not isinstance(lm._lm_head_fwd_kernel, JITFunction):
+    if not isinstance(lm.lm_head_fwd_kernel, JITFunction):
         pytest.skip("TRITON_INTERPRET=1 at import: triton built interpreter kernels itself")
     call_before = JITFunction.__call__
     full_before = tl.core.full
@@ -84,8 +84,8 @@ def test_interpreter_launch_leaves_triton_untouched():
     _interp(_round_kernel, x, y, 37, BLOCK=64, INTERPRET=True)
     assert JITFunction.__call__ is call_before
     assert tl.core.full is full_before
-    assert isinstance(lm._lm_head_fwd_kernel, JITFunction)  # still compilable ahead of time
-    assert isinstance(norm._rms_norm_kernel, JITFunction)
+    assert isinstance(lm.lm_head_fwd_kernel, JITFunction)  # still compilable ahead of time
+    assert isinstance(norm.rms_norm_kernel, JITFunction)
     with pytest.raises(RuntimeError, match="outside of the scope of a kernel"):
         jit.tanh(torch.zeros(1))
 
