@@ -134,7 +134,7 @@ def reference_samples(target, samples: list, ids: torch.Tensor, mask: torch.Tens
     from nemo_automodel.components.speculative.eagle.core import _compute_target_distribution
     from nemo_automodel.components.speculative.eagle.target import HFEagle3TargetModel
 
-    from eagle_fast.pipeline.config import default_aux_layers
+    from eagle_fast.runners.factory import default_aux_layers
 
     # The tiny target is too shallow for NeMo's default [1, L/2-1, L-4]; both sides take
     # eagle_fast's default for it, which is NeMo's wherever that fits.
@@ -163,7 +163,7 @@ def runner_samples(runner, samples: list, ids: torch.Tensor, mask: torch.Tensor,
     from nemo_automodel.components.speculative.eagle.core import _compute_target_distribution
     from nemo_automodel.components.speculative.eagle.target_runner import RunnerEagle3TargetModel
 
-    from eagle_fast.pipeline.config import default_aux_layers
+    from eagle_fast.runners.factory import default_aux_layers
 
     # NeMo's wrapper sets the runner's aux layers, for the fast path too
     backend = RunnerEagle3TargetModel(runner, aux_layer_ids=default_aux_layers(runner.num_layers))

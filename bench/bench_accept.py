@@ -213,7 +213,7 @@ def run(out_dir: Path | None = None) -> dict:
 
     from eagle_fast import cli
     from eagle_fast.demo import cache_dir
-    from eagle_fast.pipeline.config import default_aux_layers
+    from eagle_fast.runners.factory import default_aux_layers
     from eagle_fast.tiny import build_trained_tiny, trained_tiny_dir
 
     t_start = time.perf_counter()

@@ -122,7 +122,7 @@ def _child(spec: str) -> int:
     T.wrap(compat, "read_hidden_states", "read")
     T.wrap(compat, "_wait_written", "read_wait")
     T.wrap(head.TargetHead, "compute", "head")
-    T.wrap(ex._Writer, "_write", "write")
+    T.wrap(ex.ShardWriter, "_write", "write")
     t0 = time.perf_counter()
     rc = cli.main(d["argv"])
     wall = time.perf_counter() - t0

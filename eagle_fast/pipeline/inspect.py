@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle_fast.pipeline.config import _fmt_bytes
+from eagle_fast.pipeline.config import fmt_bytes
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.dataset import Eagle3Dataset
 from eagle_fast.store.manifest import (
@@ -52,7 +52,7 @@ def inspect_text(directory: str) -> str:
          f"{m['data']['skipped']} skipped at max_len {m['settings']['max_len']})"),
         f"samples     {m['num_samples']:,} ({m['num_tokens']:,} tokens), {len(done)}/{m['num_shards']} shards "
         + ("complete" if m.get("complete") else "[INCOMPLETE: re-run the extract command to resume]"),
-        f"on disk     {_fmt_bytes(nbytes)}, {nbytes / max(tokens, 1):,.0f} bytes/token",
+        f"on disk     {fmt_bytes(nbytes)}, {nbytes / max(tokens, 1):,.0f} bytes/token",
         "fields      " + ", ".join(f"{k} {v['dtype']}[{', '.join(map(str, v['shape']))}]"
                                   for k, v in m["fields"].items()),
     ]

@@ -34,14 +34,8 @@ from eagle_fast.inputs import (
     plan_shards,
     resolve_max_len,
 )
-from eagle_fast.pipeline.config import (
-    ExtractConfig,
-    _check_config,
-    _resolve_kind,
-    parse_aux_layers,
-    parse_shard,
-    resolve_engine,
-)
+from eagle_fast.pipeline.config import ExtractConfig, check_config, parse_shard, resolve_kind
+from eagle_fast.runners.factory import parse_aux_layers, resolve_engine
 from eagle_fast.store import make_layout, spec_to_json
 from eagle_fast.store.layouts import Layout, LayoutSpec, validate_layout_kind
 from eagle_fast.store.manifest import (
@@ -90,7 +84,7 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     """Validate everything, plan shards, and reconcile with an existing --out directory."""
 
     cfg = replace(cfg, dtype=resolve_dtype_name(cfg.model, cfg.dtype))
-    _check_config(cfg)
+    check_config(cfg)
     part = parse_shard(cfg.shard)
     info = load_model_info(cfg.model)
     aux = parse_aux_layers(cfg.aux_layers, info.num_hidden_layers)
@@ -99,7 +93,7 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     dtype = SHORT_NAMES[cfg.dtype]
     out_dtype = SHORT_NAMES[cfg.out_dtype]
     draft = load_draft_vocab(cfg.draft_vocab, info.vocab_size) if cfg.draft_vocab else None
-    kind = _resolve_kind(cfg, draft is not None)
+    kind = resolve_kind(cfg, draft is not None)
     validate_layout_kind(cfg.layout, kind)
     if kind in ("draft", "draft-topk") and draft is None and cfg.layout == "native":
         raise UserError(f"--supervision {kind} needs a draft vocabulary",
@@ -269,7 +263,7 @@ def _part_tag(p: Prepared) -> str:
     return f"part{p.part[0]}of{p.part[1]}" if p.part else ""
 
 
-def _clean_temps(p: Prepared) -> None:
+def clean_temps(p: Prepared) -> None:
     """Remove this node's leftovers of a killed run (temp files of pending shards only)."""
     names = [manifest_name(p.part)]
     for s in p.pending:
@@ -282,7 +276,7 @@ def _clean_temps(p: Prepared) -> None:
             tmp.unlink()
 
 
-def _write_manifest(p: Prepared) -> None:
+def write_manifest(p: Prepared) -> None:
     m = p.manifest
     m["shards"] = sorted(m["shards"], key=lambda r: r["index"])
     owned = list(part_slice(len(p.shards), p.part))
@@ -299,7 +293,7 @@ def _write_manifest(p: Prepared) -> None:
         atomic_write_json(p.root / name, m)
 
 
-def _write_extra_files(p: Prepared) -> None:
+def write_extra_files(p: Prepared) -> None:
     """Sidecar files written once per directory: the draft vocabulary, NeMo's embeddings."""
 
     have = {f["path"] for f in p.manifest.get("extra_files", [])
@@ -317,7 +311,7 @@ def _write_extra_files(p: Prepared) -> None:
     p.manifest["extra_files"] = sorted(extra, key=lambda f: f["path"])
 
 
-def _finalize(p: Prepared) -> None:
+def finalize(p: Prepared) -> None:
     """Layout extras once the whole dataset (not a part) is complete."""
     if p.layout.name == "speculators" and p.part is None and p.manifest["complete"]:
         write_speculators_arrow(p.root, [(s.input_ids, s.loss_mask) for s in p.plan.samples])

