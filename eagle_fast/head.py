@@ -282,7 +282,7 @@ class TargetHead:
         self.norm_weight = norm_weight
         self.spec = spec
         self.tied = tied
-        self._embed_weight = embed_weight
+        self._embed_weight = None if tied else embed_weight  # tied: the LM head, whatever it is now
         self._source = source or {}
 
     # -- construction ---------------------------------------------------------------------------
@@ -364,6 +364,8 @@ class TargetHead:
 
     def embed_weight(self) -> torch.Tensor:
         """Input embedding `[V, H]`: the LM head when tied, else loaded once on first use."""
+        if self.tied:
+            return self.lm_head_weight
         if self._embed_weight is None:
             src = self._source
             if not src:

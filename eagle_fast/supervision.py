@@ -31,11 +31,10 @@ import numpy as np
 import torch
 
 from eagle_fast.dtypes import NUMPY_TWINS
-from eagle_fast.kernels._common import LSE_OUTPUTS, OUT_DTYPE_FIELDS, PhaseClock
+from eagle_fast.kernels import LSE_OUTPUTS, OUT_DTYPE_FIELDS, OUTPUT_NAMES, HeadOutput, PhaseClock
 
 # Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
-HEAD_OUTPUTS = ("logits", "logprobs", "lse", "argmax", "topk", "draft", "draft_topk")
-SUPERVISION_OUTPUTS = HEAD_OUTPUTS + ("hidden",)
+SUPERVISION_OUTPUTS = (*OUTPUT_NAMES, "hidden")
 # Group sizing (see `plan_supervision_groups`). Each head call also streams the whole weight
 # (a fixed cost per call: `bench/bench_cpu_ops.py`, "call-overhead"), so groups are as large as
 # the staging bound allows, up to GROUP_TOKENS, and never smaller than MIN_TOKENS.
@@ -53,41 +52,24 @@ class Supervision:
 
     aux_hidden_states  [B, S, 3H]  target dtype, the three aux layers concatenated
     attention_mask     [B, S]      as given
-    argmax             [B, S]      int64, always filled
-    lse                [B, S]      fp32, when "lse", "logprobs" or "topk" is requested (only those
-                                   pay for an exp of every logit)
-    logits, logprobs   [B, S, V]   out_dtype (default: the target dtype), only when requested
-    topk_ids           [B, S, k]   int64;  topk_logprobs [B, S, k] out_dtype;  topk_tail [B, S] fp32
-    draft_logprobs     [B, S, Vd]  out_dtype, log_softmax over the draft ids (exp() = EAGLE-3's target_p)
-    argmax_in_draft    [B, S]      bool, full-vocab argmax is a draft token (EAGLE-3's position mask
-                                   before the loss mask); with "draft" or "draft_topk"
-    draft_topk_ids     [B, S, k]   int64 indices into draft_ids ("draft_topk", the sparse target);
-                                   draft_topk_logprobs [B, S, k] out_dtype, over the draft vocabulary;
-                                   draft_topk_tail [B, S] fp32, the draft mass outside them
+    head               the head's outputs, a `HeadOutput` with leading dims [B, S] (its docstring
+                       gives each field's shape and dtype; out_dtype defaults to the target dtype
+                       here). Each of its fields is also read here: `sup.lse` is `sup.head.lse`.
     hidden             [B, S, H]   target dtype, final hidden BEFORE the final norm, when requested
     """
 
     aux_hidden_states: torch.Tensor
     attention_mask: torch.Tensor
-    lse: torch.Tensor | None = None
-    argmax: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    logprobs: torch.Tensor | None = None
-    topk_ids: torch.Tensor | None = None
-    topk_logprobs: torch.Tensor | None = None
-    topk_tail: torch.Tensor | None = None
-    draft_logprobs: torch.Tensor | None = None
-    argmax_in_draft: torch.Tensor | None = None
-    draft_topk_ids: torch.Tensor | None = None
-    draft_topk_logprobs: torch.Tensor | None = None
-    draft_topk_tail: torch.Tensor | None = None
+    head: HeadOutput
     hidden: torch.Tensor | None = None
 
     def as_dict(self) -> dict[str, torch.Tensor]:
-        """The filled fields by name."""
-        return {
-            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
-        }
+        """The filled fields by name, the head's among them."""
+        out = {"aux_hidden_states": self.aux_hidden_states, "attention_mask": self.attention_mask,
+               **self.head.as_dict()}
+        if self.hidden is not None:
+            out["hidden"] = self.hidden
+        return out
 
     def target_probs(self, tail: str = "spread", draft_size: int | None = None) -> torch.Tensor:
         """EAGLE-3's `target_p` over the draft vocabulary, fp32 `[B, S, Vd]`, UNSHIFTED.
@@ -116,17 +98,24 @@ class Supervision:
             raise ValueError("to_nemo_batch needs outputs=('draft',) and draft_ids")
         probs = self.target_probs()
         position_mask = (
-            _shift_left(self.argmax_in_draft) & _shift_left(loss_mask.to(probs.device)).bool()
+            shift_left(self.argmax_in_draft) & shift_left(loss_mask.to(probs.device)).bool()
         )
         return Eagle3TargetBatch(
             aux_hidden_states=self.aux_hidden_states,
-            input_ids=_shift_left(input_ids),
+            input_ids=shift_left(input_ids),
             attention_mask=self.attention_mask,
-            loss_mask=_shift_left(loss_mask),
-            target_probs=_shift_left(probs),
+            loss_mask=shift_left(loss_mask),
+            target_probs=shift_left(probs),
             position_mask=position_mask.unsqueeze(-1),
         )
 
+
+def _head_field(name: str) -> property:
+    return property(lambda self: getattr(self.head, name), doc=f"`head.{name}` (see `HeadOutput`)")
+
+
+for _field in fields(HeadOutput):  # sup.lse, sup.argmax, ...: the head's fields, read through
+    setattr(Supervision, _field.name, _head_field(_field.name))
 
 TAIL_MODES = ("spread", "drop", "renormalize")
 
@@ -159,8 +148,11 @@ def dense_target_p(
     return out.scatter_(-1, ids.long(), p)
 
 
-def _shift_left(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat((t[:, 1:], torch.zeros_like(t[:, :1])), dim=1)
+def shift_left(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """NeMo's `_shift_left_with_zero`: `t` one step left along `dim` (the sequence: 1 for
+    `[B, S, ...]`, 0 for one sample), a zero at the end; row t then describes position t+1."""
+    before = (slice(None),) * (dim % t.dim())
+    return torch.cat((t[(*before, slice(1, None))], torch.zeros_like(t[(*before, slice(None, 1))])), dim=dim)
 
 
 # -- destinations ------------------------------------------------------------------------------

@@ -39,10 +39,20 @@ from collections.abc import Iterable
 
 import torch
 
-from ._common import NORM_MODES, OUTPUT_NAMES, HeadOutput, HeadRequest, empty_output
+from ._common import (
+    LSE_OUTPUTS,
+    NORM_MODES,
+    OUT_DTYPE_FIELDS,
+    OUTPUT_NAMES,
+    HeadOutput,
+    HeadRequest,
+    PhaseClock,
+    empty_output,
+)
 from .reference import lm_head_logits_torch, lm_head_torch
 
-__all__ = ["HeadOutput", "draft_ids_from_d2t", "draft_ids_from_t2d", "lm_head", "lm_head_logits"]
+__all__ = ["LSE_OUTPUTS", "OUTPUT_NAMES", "OUT_DTYPE_FIELDS", "HeadOutput", "PhaseClock", "draft_ids_from_d2t",
+           "draft_ids_from_t2d", "lm_head", "lm_head_logits"]
 
 IMPLS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

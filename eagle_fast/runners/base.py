@@ -28,6 +28,7 @@ import torch
 
 from eagle_fast.dtypes import parse_dtype
 from eagle_fast.head import TargetHead, text_config
+from eagle_fast.kernels import HeadOutput
 from eagle_fast.supervision import SUPERVISION_OUTPUTS, PaddedFields, Supervision, supervise, zeros
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -343,7 +344,7 @@ class RunnerBase:
         captures = self.capture(seqs)
         B, S = input_ids.shape
         device = input_ids.device
-        aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
+        aux = scatter_rows([a for a, _ in captures], lens, B, S, device)
         # Each row's logits are GEMMed straight into its slice of the output: no [N, V]
         # transient, no copy, and pad positions are never touched (they stay zero).
         # One head call: the weight is streamed once for all rows, not once per row.
@@ -392,27 +393,20 @@ class RunnerBase:
         device = input_ids.device
         # The aux field first; then each capture is dropped as soon as it has been used, so
         # the inputs do not add to the peak next to the outputs being filled.
-        aux = self._scatter_rows([a for a, _ in captures], lens, B, S, device)
+        aux = scatter_rows([a for a, _ in captures], lens, B, S, device)
         finals: list[torch.Tensor | None] = [f for _, f in captures]
         del captures
         into = PaddedFields(B, S, device, out_dtype)
         supervise(self.head, finals, outputs, into, draft_ids=draft_ids, k=k, out_dtype=out_dtype,
                   impl=impl)
-        return Supervision(aux_hidden_states=aux, attention_mask=attention_mask, **into.fields)
+        hidden = into.fields.pop("hidden", None)
+        head = HeadOutput(**{"lse": None, "argmax": None, **into.fields})
+        return Supervision(aux, attention_mask, head, hidden)
 
     def input_embedding_weight(self) -> torch.Tensor:
         """The target input embedding `[V, H]`, read from the checkpoint (shared with a tied head)."""
         self._check_open()
         return self.head.embed_weight()
-
-    @staticmethod
-    def _scatter_rows(
-        rows: list[torch.Tensor], lens: list[int], B: int, S: int, device
-    ) -> torch.Tensor:
-        out = zeros((B, S, rows[0].shape[-1]), rows[0].dtype, device)
-        for b, (row, n) in enumerate(zip(rows, lens)):
-            out[b, :n] = row.to(device)
-        return out
 
     # -- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -434,3 +428,11 @@ class RunnerBase:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def scatter_rows(rows: list[torch.Tensor], lens: list[int], B: int, S: int, device) -> torch.Tensor:
+    """Rows `[n_b, D]` into one zero-padded `[B, S, D]` tensor on `device` (row b in `[b, :n_b]`)."""
+    out = zeros((B, S, rows[0].shape[-1]), rows[0].dtype, device)
+    for b, (row, n) in enumerate(zip(rows, lens)):
+        out[b, :n] = row.to(device)
+    return out

@@ -86,9 +86,7 @@ def _share_head_weights(head: TargetHead, model: nn.Module) -> None:
     out_embed = model.get_output_embeddings()
     theirs = None if out_embed is None else getattr(out_embed, "weight", None)
     if _same_tensor("lm_head", head.lm_head_weight, theirs):
-        head.lm_head_weight = theirs.detach()
-        if head.tied:
-            head._embed_weight = head.lm_head_weight
+        head.lm_head_weight = theirs.detach()  # and the embedding, when tied (`embed_weight()`)
     if head.norm_weight is not None:
         try:  # the checkpoint's name is the model's parameter name unless transformers renamed it
             theirs = model.get_parameter(head.tensor_names["norm"])

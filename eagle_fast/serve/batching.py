@@ -28,10 +28,10 @@ from concurrent.futures import Future
 import torch
 import torch.nn.functional as F
 
-from eagle_fast.runners.base import RunnerBase
+from eagle_fast.runners.base import RunnerBase, scatter_rows
 from eagle_fast.serve.protocol import GenerateRequest, VocabMapping
 from eagle_fast.serve.stream import ResponseStream
-from eagle_fast.supervision import _shift_left, supervise
+from eagle_fast.supervision import shift_left, supervise
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -162,7 +162,7 @@ def supervise_requests(runner: RunnerBase, requests: list[GenerateRequest], stre
     for i, (r, stream) in enumerate(zip(requests, streams)):
         B, S = r.input_ids.shape
         n = len(r.rows)
-        aux = RunnerBase._scatter_rows([a for a, _ in captures[k:k + n]], r.lengths, B, S, "cpu")
+        aux = scatter_rows([a for a, _ in captures[k:k + n]], r.lengths, B, S, "cpu")
         k += n
         tail = {"position_mask": (torch.bool, (B, S, 1)), "input_ids": (r.input_ids.dtype, (B, S)),
                 "loss_mask": (r.loss_mask.dtype, (B, S))}
@@ -174,8 +174,8 @@ def supervise_requests(runner: RunnerBase, requests: list[GenerateRequest], stre
     into = StreamedFields(requests, streams, mapping, probs_dtype, runner.head.vocab_size)
     supervise(runner.head, finals, ("draft",), into, draft_ids=mapping.draft_ids, out_dtype=probs_dtype)
     for r, stream, pmask in zip(requests, streams, into.position_mask):
-        stream.finish({"position_mask": pmask, "input_ids": _shift_left(r.input_ids),
-                       "loss_mask": _shift_left(r.loss_mask)})
+        stream.finish({"position_mask": pmask, "input_ids": shift_left(r.input_ids),
+                       "loss_mask": shift_left(r.loss_mask)})
 
 
 class _Job:

@@ -175,7 +175,7 @@ class NativeLayout(Layout):
     def needs_final_hidden(self) -> bool:
         return self.spec.kind == "hidden"
 
-    def _token_fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    def token_fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Field -> (disk dtype, trailing shape) for per-token fields."""
         s = self.spec
         out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
@@ -211,14 +211,14 @@ class NativeLayout(Layout):
 
     def fields(self) -> dict[str, dict]:
         out = {}
-        for name, (dtype, trailing) in self._token_fields().items():
+        for name, (dtype, trailing) in self.token_fields().items():
             read_dtype = torch.int64 if name in _INT_ON_DISK else dtype
             out[name] = {"dtype": long_name(read_dtype), "shape": ["T", *trailing]}
         return out
 
     def encode(self, sample, result):
         out = {}
-        for name, (dtype, _) in self._token_fields().items():
+        for name, (dtype, _) in self.token_fields().items():
             if name in out:  # a scale, made with its fp8 values
                 continue
             t = result[name]
@@ -240,7 +240,7 @@ class NativeLayout(Layout):
         offsets = h.get_slice("offsets")[local_index: local_index + 2]
         a, b = int(offsets[0]), int(offsets[1])
         out = {}
-        for name in self._token_fields():
+        for name in self.token_fields():
             t = h.get_slice(name)[a:b]
             out[name] = t.to(torch.int64) if name in _INT_ON_DISK else t
         return out
@@ -262,7 +262,7 @@ class _NativeSink(ShardSink):
         self.offsets = offsets
         total = offsets[-1]
         specs = native_index_fields(len(shard.samples))
-        self.fields = layout._token_fields()
+        self.fields = layout.token_fields()
         for name, (dtype, trailing) in self.fields.items():
             specs[name] = (dtype, (total, *trailing))
         meta = {"format": "eagle-fast", "layout": "native", "shard": str(shard.index)}

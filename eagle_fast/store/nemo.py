@@ -23,16 +23,12 @@ from eagle_fast.inputs import ShardPlan
 from eagle_fast.store.layouts import Layout, LayoutSpec, ShardSink, shard_file_name
 from eagle_fast.store.manifest import file_record
 from eagle_fast.store.safetensors import SafetensorsWriter, open_safetensors, write_safetensors
+from eagle_fast.supervision import shift_left
 
 NEMO_FORMAT_VERSION = 2  # nemo_automodel.components.datasets.llm.eagle3_cache._FORMAT_VERSION
 
 
 # -------------------------------------------------------------------------------- nemo
-
-
-def _shift_left(t: torch.Tensor) -> torch.Tensor:
-    """NeMo's `_shift_left_with_zero` for one unbatched sequence (dim 0)."""
-    return torch.cat((t[1:], torch.zeros_like(t[:1])), dim=0)
 
 
 def trainer_frame(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_states: torch.Tensor,
@@ -45,10 +41,10 @@ def trainer_frame(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_s
     draft vocabulary and the shifted loss mask is set. Returns int64 input_ids / loss_mask, the
     aux states as given, fp32 target_probs [T, Vd] and bool position_mask [T, 1].
     """
-    loss = _shift_left(loss_mask.to(torch.int64))
-    return {"input_ids": _shift_left(input_ids.to(torch.int64)), "loss_mask": loss,
-            "aux_hidden_states": aux_hidden_states, "target_probs": _shift_left(target_p.float()),
-            "position_mask": (_shift_left(argmax_in_draft.bool()) & loss.bool()).unsqueeze(-1)}
+    loss = shift_left(loss_mask.to(torch.int64), dim=0)
+    return {"input_ids": shift_left(input_ids.to(torch.int64), dim=0), "loss_mask": loss,
+            "aux_hidden_states": aux_hidden_states, "target_probs": shift_left(target_p.float(), dim=0),
+            "position_mask": (shift_left(argmax_in_draft.bool(), dim=0) & loss.bool()).unsqueeze(-1)}
 
 
 class NemoLayout(Layout):
@@ -71,7 +67,8 @@ class NemoLayout(Layout):
         # NeMo's `is_compressed`: a positive k below the draft width.
         return self.spec.kind == "topk" and 0 < self.spec.k < self.spec.draft_size
 
-    def _specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    def sample_fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Field -> (dtype, per-sample shape): every field is padded to seq_length = max_len."""
         s = self.spec
         S = s.max_len
         out = {
@@ -89,7 +86,7 @@ class NemoLayout(Layout):
         return out
 
     def fields(self):
-        return {n: {"dtype": long_name(d), "shape": list(shape)} for n, (d, shape) in self._specs().items()}
+        return {n: {"dtype": long_name(d), "shape": list(shape)} for n, (d, shape) in self.sample_fields().items()}
 
     def encode(self, sample, result):
         s = self.spec
@@ -113,13 +110,13 @@ class NemoLayout(Layout):
         probs[: T - 1] = torch.softmax(draft_lp[1:T], dim=-1) if T > 1 else probs[:0]
         in_draft = torch.zeros(S, dtype=torch.bool)
         in_draft[:T] = result["argmax_in_draft"].to(torch.bool)
-        shifted_loss = _shift_left(loss)
+        shifted_loss = shift_left(loss, dim=0)
         out = {
-            "input_ids": _shift_left(ids),
+            "input_ids": shift_left(ids, dim=0),
             "attention_mask": attn,
             "loss_mask": shifted_loss,
             "aux_hidden_states": aux,
-            "position_mask": (_shift_left(in_draft) & shifted_loss.bool()).unsqueeze(-1),
+            "position_mask": (shift_left(in_draft, dim=0) & shifted_loss.bool()).unsqueeze(-1),
         }
         if self.compressed:
             # nemo_automodel eagle3_cache.compress_target_probs, for one sequence.
@@ -139,15 +136,15 @@ class NemoLayout(Layout):
 
     def read_sample(self, root, shard_record, local_index, handles=None):
         h = open_safetensors(root / shard_record["files"][0]["path"], handles)
-        return {name: h.get_slice(name)[local_index] for name in self._specs()}
+        return {name: h.get_slice(name)[local_index] for name in self.sample_fields()}
 
 
 class _NemoSink(ShardSink):
     def __init__(self, layout: NemoLayout, root: Path, shard: ShardPlan):
         super().__init__(root)
         n = len(shard.samples)
-        self.names = list(layout._specs())
-        specs = {name: (d, (n, *shape)) for name, (d, shape) in layout._specs().items()}
+        self.names = list(layout.sample_fields())
+        specs = {name: (d, (n, *shape)) for name, (d, shape) in layout.sample_fields().items()}
         # No __metadata__: byte-for-byte the fields NeMo's write_shard stores.
         self.writer = SafetensorsWriter(root / shard_file_name(shard.index), specs)
 

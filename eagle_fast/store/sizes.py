@@ -1,7 +1,7 @@
 """Bytes per token, by field: what a layout's declared fields cost on disk, from shapes alone.
 
 `field_sizes(layout)` reads what the layout declares it writes (the native layout's
-`_token_fields()`, whose dtypes are the disk dtypes, plus its per-sample index fields; every
+`token_fields()`, whose dtypes are the disk dtypes, plus its per-sample index fields; every
 other layout's `fields()`) and gives each field's bytes = dtype itemsize x elements per unit:
 per token (a "T" axis), per padded position (nemo pads every field to seq_length = max_len, so
 its count is per position, which is per real token only for samples that fill seq_length), or
@@ -52,7 +52,7 @@ def _dtype(name: str) -> torch.dtype:
 def field_sizes(layout: Layout) -> list[FieldSize]:
     """Every field `layout` writes into its shard files, with its bytes per token / position / sample."""
     if isinstance(layout, NativeLayout):
-        out = [FieldSize(n, d, tuple(t), "token") for n, (d, t) in layout._token_fields().items()]
+        out = [FieldSize(n, d, tuple(t), "token") for n, (d, t) in layout.token_fields().items()]
         one, none = native_index_fields(1), native_index_fields(0)
         for name, (dtype, shape) in one.items():
             fixed = math.prod(none[name][1])
