@@ -1,9 +1,17 @@
 """The package's shape, as ARCHITECTURE.md promises it: stages without cycles, small files,
-one copy of each shared piece.
+one copy of each shared piece, public seams between modules.
 
 The import graph counts imports inside functions too. Such imports are allowed only for heavy
 optional engines (vLLM, transformers and its tokenizers, datasets, Ray, NeMo AutoModel, Triton)
 and for the module that needs Triton.
+
+Private names (a leading underscore) stay in their module: no module of eagle_fast/ or kernels/
+imports another's (`from m import _x`), imports a private module from outside its package
+(`kernels._cpu` belongs to `kernels`), or reads or sets one through a module or a name it
+imported (`m._x`, `Class._x`), or through any other object (`obj._x`) where `_x` is defined only
+in other modules of ours. Not caught: `getattr(obj, "_x")`; `obj._x` where this module also
+defines a `_x` of its own; a subclass reading its base class's `self._x`; third parties' private
+names; tests and benchmarks (not scanned).
 """
 
 from __future__ import annotations
@@ -140,3 +148,123 @@ def test_shared_pieces_exist_once():
     assert len(re.findall(r'"BF16"', src)) == 1, "safetensors dtype codes outside eagle_fast/dtypes.py"
     assert len(re.findall(r'"bfloat16": torch\.bfloat16', src)) == 1, "a second dtype-name table"
     assert src.count('"model.safetensors.index.json"') == 1, "a second checkpoint-tensor walker"
+
+
+# -- private names stay in their module -----------------------------------------------------------
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _outside_private_module(module: str, importer: str) -> bool:
+    """Whether `module` has a private part that `importer` is outside of (a private module
+    belongs to its package: `eagle_fast.kernels._cpu` to `eagle_fast.kernels`)."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        package = ".".join(parts[:i])
+        if _is_private(part) and importer != package and not importer.startswith(package + "."):
+            return True
+    return False
+
+
+def _defined(tree: ast.AST) -> set[str]:
+    """Private names a module defines: functions, classes, assigned names, arguments, imported
+    aliases, and attributes it sets on self / cls."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+        elif isinstance(node, ast.alias):
+            out.add(node.asname or node.name.split(".")[0])
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            out.add(node.attr)
+    return {n for n in out if _is_private(n)}
+
+
+def _private_crossings(name: str, is_package: bool, tree: ast.AST, elsewhere: set[str]):
+    """(line, what) for each private name of another module that module `name` imports, reads
+    or sets; `elsewhere`: the private names our other modules define."""
+    package = name if is_package else name.rsplit(".", 1)[0]
+    here = _defined(tree)
+    bound: dict[str, str] = {}  # local name -> the module of ours it came from
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module in MODULES and _outside_private_module(module, name):
+                yield node.lineno, f"imports from the private module {module}"
+            for a in node.names:
+                full = f"{module}.{a.name}"
+                if full in MODULES:  # a submodule
+                    if _outside_private_module(full, name):
+                        yield node.lineno, f"imports the private module {full}"
+                    bound[a.asname or a.name] = full
+                elif module in MODULES:
+                    if _is_private(a.name) and module != name:
+                        yield node.lineno, f"imports {a.name} from {module}"
+                    bound[a.asname or a.name] = module
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in MODULES:
+                    if _outside_private_module(a.name, name):
+                        yield node.lineno, f"imports the private module {a.name}"
+                    bound[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+            continue
+        owner = node.value.id if isinstance(node.value, ast.Name) else None
+        verb = "sets" if isinstance(node.ctx, ast.Store) else "reads"
+        if owner in bound and bound[owner] != name:
+            yield node.lineno, f"{verb} {owner}.{node.attr} ({bound[owner]})"
+        elif owner not in ("self", "cls") and node.attr in elsewhere and node.attr not in here:
+            yield node.lineno, f"{verb} {ast.unparse(node)}, a private name of another module"
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    trees = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}
+    defined = {m: _defined(t) for m, t in trees.items()}
+    bad = []
+    for m, tree in trees.items():
+        elsewhere = set().union(*(d for other, d in defined.items() if other != m))
+        for line, what in _private_crossings(m, MODULES[m].name == "__init__.py", tree, elsewhere):
+            bad.append(f"{MODULES[m].relative_to(ROOT)}:{line}: {what}")
+    assert not bad, "make the name public in the module that owns it:\n" + "\n".join(bad)
+
+
+def test_the_private_name_check_sees_each_kind_of_crossing():
+    """The check above, on a module that crosses each way it claims to catch, and on one that
+    keeps to its own names and the public ones."""
+    crossing = ast.parse(
+        "from eagle_fast.pipeline.config import fmt_secs, _hidden\n"
+        "from eagle_fast.kernels import _cpu\n"
+        "from eagle_fast.kernels._common import HeadOutput\n"
+        "from eagle_fast.store import layouts\n"
+        "from eagle_fast.runners.base import RunnerBase\n"
+        "def f(head):\n"
+        "    layouts._private_table\n"
+        "    RunnerBase._scatter(1)\n"
+        "    head._embed_weight = 1\n"
+    )
+    got = {what for _, what in _private_crossings("eagle_fast.serve.app", False, crossing, {"_embed_weight"})}
+    assert got == {
+        "imports _hidden from eagle_fast.pipeline.config",
+        "imports the private module eagle_fast.kernels._cpu",
+        "imports from the private module eagle_fast.kernels._common",
+        "reads layouts._private_table (eagle_fast.store.layouts)",
+        "reads RunnerBase._scatter (eagle_fast.runners.base)",
+        "sets head._embed_weight, a private name of another module",
+    }, got
+    own = ast.parse(
+        "from ._common import HeadOutput\n"  # a private module, from inside its package
+        "class K:\n"
+        "    def f(self, other):\n"
+        "        self._x = other._x\n"  # its own private name, on another instance
+    )
+    assert list(_private_crossings("eagle_fast.kernels.reference", False, own, {"_x"})) == []
