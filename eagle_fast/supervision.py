@@ -31,7 +31,15 @@ import numpy as np
 import torch
 
 from eagle_fast.dtypes import NUMPY_TWINS
-from eagle_fast.kernels import LSE_OUTPUTS, OUT_DTYPE_FIELDS, OUTPUT_NAMES, HeadOutput, PhaseClock
+from eagle_fast.kernels import (
+    LSE_OUTPUTS,
+    OUT_DTYPE_FIELDS,
+    OUTPUT_NAMES,
+    HeadOutput,
+    PhaseClock,
+    one_thread_here,
+    per_thread_counts_available,
+)
 
 # Head outputs `lm_head` knows, plus "hidden" (the final pre-norm hidden state itself).
 SUPERVISION_OUTPUTS = (*OUTPUT_NAMES, "hidden")
@@ -262,31 +270,29 @@ def supervise(
     # CPU: `workers` groups at once, each on one thread, put in order. The head's tile loop is
     # many small ops, and one OpenMP team over the whole CPU waits at every op's barrier, the
     # more so when another process takes a core (the server's client, a data loader):
-    # `bench/bench_cpu_ops.py` "group-parallel" measured 1.48x alone and 2.97x next to a busy
-    # process on a 2-core AMD EPYC. The window holds `workers` groups' results at most.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(workers, thread_name_prefix="eagle-fast-head",
-                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            pending = collections.deque(pool.submit(compute, group_input(g)) for g in range(workers))
-            for g, pieces in enumerate(groups):
-                values = pending.popleft().result()
-                into.put(pieces, values)
-                del values
-                if g + workers < len(groups):
-                    pending.append(pool.submit(compute, group_input(g + workers)))
-    finally:
-        torch.set_num_threads(threads)
+    # `bench/bench_cpu_ops.py` "group-parallel". Only the pool's own threads go single-threaded
+    # (`one_thread_here`: per-thread counts, not `torch.set_num_threads`, which is process-wide),
+    # so the caller's and every other thread's count stay theirs. The window holds `workers`
+    # groups' results at most.
+    with ThreadPoolExecutor(workers, thread_name_prefix="eagle-fast-head", initializer=one_thread_here) as pool:
+        pending = collections.deque(pool.submit(compute, group_input(g)) for g in range(workers))
+        for g, pieces in enumerate(groups):
+            values = pending.popleft().result()
+            into.put(pieces, values)
+            del values
+            if g + workers < len(groups):
+                pending.append(pool.submit(compute, group_input(g + workers)))
 
 
 def group_workers(finals: Sequence[torch.Tensor | None], n_groups: int, impl: str) -> int:
-    """How many head groups `supervise` computes at once: torch's thread count on a CPU (one
-    thread each), 1 on CUDA, for the Triton interpreter, while a `PhaseClock` times the phases,
-    or for a single group (which keeps the whole CPU's threads)."""
+    """How many head groups `supervise` computes at once: the calling thread's torch thread
+    count on a CPU (one thread each), 1 on CUDA, for the Triton interpreter, while a
+    `PhaseClock` times the phases, for a single group (which keeps all the caller's threads),
+    or where a pool thread's count cannot be set for that thread alone
+    (`per_thread_counts_available`)."""
     first = next((f for f in finals if f is not None), None)
     if (first is None or first.device.type != "cpu" or impl not in ("auto", "torch") or n_groups < 2
-            or PhaseClock.active is not None):
+            or PhaseClock.active is not None or not per_thread_counts_available()):
         return 1
     return max(1, min(torch.get_num_threads(), n_groups))
 

@@ -13,6 +13,10 @@ PyTorch link MKL into libtorch_cpu and export its CBLAS symbols. `gemm_bf16_f32`
 through ctypes (the GIL is released during the call), with no state outside the call.
 Limits: x86 Linux builds of PyTorch with MKL; elsewhere `bf16_gemm_available()` is False and
 the head upcasts to fp32 instead (same math, slower on AMX).
+
+Threads. `one_thread_here()` makes the calling thread's ops single-threaded through OpenMP's and
+MKL's per-thread counts. `torch.set_num_threads` would also set process-wide state: the count
+every thread that has not run a parallel op yet starts with, and XNNPACK's thread pool.
 """
 
 from __future__ import annotations
@@ -129,3 +133,46 @@ def gemm_bf16_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.
     fn(_ROW_MAJOR, _NO_TRANS, _TRANS, M, N, K, 1.0, a.data_ptr(), a.stride(0), b.data_ptr(),
        b.stride(0), 0.0, out.data_ptr(), out.stride(0))
     return out
+
+
+@functools.cache
+def _thread_count_setters():
+    """`(omp_set_num_threads, MKL_Set_Num_Threads_Local)` of the OpenMP runtime and the MKL that
+    PyTorch uses, or None when ATen's parallel backend is not OpenMP or either is out of reach.
+    Both set the calling thread's own count only (OpenMP's nthreads-var ICV belongs to the
+    thread's task; MKL's local count overrides its global one in that thread)."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text()
+        runtime = next(line.split()[-1] for line in maps.splitlines()
+                       if Path(line.split()[-1]).name.startswith(("libgomp", "libiomp5")))
+        omp_set = ctypes.CDLL(runtime).omp_set_num_threads
+        mkl_set = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError, StopIteration):
+        return None
+    omp_set.argtypes, omp_set.restype = [ctypes.c_int], None
+    mkl_set.argtypes, mkl_set.restype = [ctypes.c_int], ctypes.c_int
+    return omp_set, mkl_set
+
+
+def per_thread_counts_available() -> bool:
+    """Whether `one_thread_here()` can work in this process (nothing is changed by asking)."""
+    return _thread_count_setters() is not None
+
+
+def one_thread_here() -> bool:
+    """Run the calling thread's torch ops (ATen's OpenMP loops, MKL, oneDNN) on one thread,
+    changing no other thread's count and no process-wide default; for a thread the caller owns
+    and ends (a pool worker). Returns False, having changed nothing, where
+    `per_thread_counts_available()` is False."""
+    setters = _thread_count_setters()
+    if setters is None:
+        return False
+    # torch initialises a thread's counts on its first parallel op, from the process-wide
+    # default: that happens here, first, so it cannot undo the counts set below later.
+    torch.get_num_threads()
+    omp_set, mkl_set = setters
+    omp_set(1)
+    mkl_set(1)
+    return True

@@ -2,8 +2,10 @@
 
 - Every destination gets the sequential path's bits: padded fields (in-process supervision),
   per-row fields (the extraction, whose row parts are joined in put order) and the server's
-  streamed fields; the head really ran groups concurrently; torch's thread count is restored.
-- A group that raises fails the call with its own error, and the thread count is restored.
+  streamed fields; the head really ran groups concurrently.
+- Only the pool's threads run single-threaded: while the groups run, a thread that already ran
+  torch and a thread started then both read their own count, and the caller's never changes.
+- A group that raises fails the call with its own error.
 - One group, an explicit Triton impl (the interpreter on a CPU), CUDA-less inputs gone (all
   None), one torch thread and a running `PhaseClock` stay sequential.
 """
@@ -32,9 +34,10 @@ def two_threads():
 class Recorder:
     """Wraps head.compute: which threads ran it, and the most calls running at once."""
 
-    def __init__(self, head, fail_at: int | None = None):
+    def __init__(self, head, fail_at: int | None = None, when_both_run=None):
         self.threads, self.running, self.most, self.calls = set(), 0, 0, 0
         self.fail_at, self._lock, self._compute = fail_at, threading.Lock(), head.compute
+        self.when_both_run = when_both_run
         self.both_in = threading.Barrier(2, timeout=5)
 
     def __call__(self, *args, **kwargs):
@@ -47,6 +50,8 @@ class Recorder:
         try:
             if call <= 2:  # the first two groups meet: they run at the same time, or this times out
                 self.both_in.wait()
+                if call == 1 and self.when_both_run is not None:
+                    self.when_both_run()
             if call == self.fail_at:
                 raise RuntimeError("injected head fault")
             assert torch.get_num_threads() == 1, "a parallel group runs more than one thread"
@@ -86,7 +91,45 @@ def test_parallel_groups_give_the_sequential_bits(hf_llama, two_threads):
             assert torch.equal(g[name], w[name]), name
 
 
-def test_a_failing_group_fails_the_call_and_restores_the_threads(hf_llama, two_threads):
+def test_other_threads_keep_their_own_thread_count_while_groups_run(hf_llama, two_threads):
+    # Read while both groups are running: a thread that already ran torch (its count is set)
+    # and one started then (its count is the process-wide default a new thread takes).
+    seen, started = {}, threading.Event()
+    read, done = threading.Event(), threading.Event()
+
+    def trainer_thread():
+        torch.get_num_threads()
+        started.set()
+        read.wait(timeout=10)
+        seen["a running thread"] = torch.get_num_threads()
+        done.set()
+
+    def fresh_thread():
+        seen["a new thread"] = torch.get_num_threads()
+
+    def while_both_run():
+        read.set()
+        assert done.wait(timeout=10)
+        fresh = threading.Thread(target=fresh_thread)
+        fresh.start()
+        fresh.join()
+
+    trainer = threading.Thread(target=trainer_thread)
+    trainer.start()
+    started.wait(timeout=10)
+    ids, mask = make_batch(lengths=(40, 33), seed=7)
+    rec = Recorder(hf_llama.head, when_both_run=while_both_run)
+    with mock.patch.object(SV, "GROUP_TOKENS", 16), mock.patch.object(hf_llama.head, "compute", rec):
+        hf_llama.forward_eagle3_supervision(ids, mask, outputs=("draft",), draft_ids=draft_vocab(),
+                                            out_dtype=torch.float32)
+    trainer.join()
+    assert rec.most == 2, "the groups did not run at once"
+    assert seen == {"a running thread": 2, "a new thread": 2}, seen
+    fresh_thread()
+    assert torch.get_num_threads() == 2 and seen["a new thread"] == 2
+
+
+def test_a_failing_group_fails_the_call(hf_llama, two_threads):
     ids, mask = make_batch(lengths=(40, 33), seed=5)
     rec = Recorder(hf_llama.head, fail_at=2)
     with mock.patch.object(SV, "GROUP_TOKENS", 16), mock.patch.object(hf_llama.head, "compute", rec), \

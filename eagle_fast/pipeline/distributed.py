@@ -169,7 +169,8 @@ class _ShardWorker:
             # A share of a node runs that many threads; a whole node keeps torch's default, as a
             # single-machine run there does (CPU GEMMs can round differently with another thread
             # count: bf16 ones, and fp32 ones on AVX2; so this keeps the bytes of one worker per
-            # node equal to a plain run's).
+            # node equal to a plain run's). Process-wide, and this actor's to set: Ray runs each
+            # actor in a worker process of its own, which the project starts for this job alone.
             torch.set_num_threads(job.threads)
 
     def where(self) -> dict:
