@@ -18,6 +18,7 @@ from pathlib import Path
 from eagle_fast import __version__
 from eagle_fast.demo import run_demo
 from eagle_fast.errors import UserError
+from eagle_fast.memory import return_freed_memory
 from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.distributed import RayOptions
 from eagle_fast.pipeline.inspect import inspect_text
@@ -25,7 +26,7 @@ from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify, verify_report
 from eagle_fast.runners.engine_settings import VLLMSettings, parse_engine_args, select_v1_runner
-from eagle_fast.serve.app import ServeConfig, serve
+from eagle_fast.serve.app import ServeConfig, TargetServer, keep_triton_out
 from eagle_fast.store.manifest import MANIFEST_NAME, read_manifest
 from eagle_fast.vocab import build_vocab
 
@@ -229,11 +230,19 @@ def cmd_merge(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    return serve(ServeConfig(
+    """The server's entry point: resolve the settings (UserError on a bad one), then serve. The
+    server is this process's one job, so this entry point sets two process-wide things before
+    the engine is built: glibc returns freed memory (`return_freed_memory`), and a CPU server on
+    transformers loads no Triton (`keep_triton_out`)."""
+    server = TargetServer(ServeConfig(
         model=a.model, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers, host=a.host, port=a.port,
         probs_dtype=a.probs_dtype, max_len=a.max_len, max_batch_tokens=a.max_batch_tokens,
         exit_when_idle=a.exit_when_idle, vllm=_vllm_settings(a),
     ))
+    return_freed_memory()
+    keep_triton_out(server.engine_name)
+    server.run()
+    return 0
 
 
 def cmd_demo(a: argparse.Namespace) -> int:

@@ -38,7 +38,6 @@ from eagle_fast.checkpoint import load_model_info, resolve_dtype_name
 from eagle_fast.dtypes import SHORT_NAMES, long_name
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import resolve_max_len
-from eagle_fast.memory import return_freed_memory
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.factory import (
     check_vllm_settings,
@@ -322,28 +321,19 @@ def _stream(tensors: dict[str, torch.Tensor | None]) -> Response:
 
 
 def keep_triton_out(engine: str) -> bool:
-    """Keep Triton out of this process when it serves on a CPU with the transformers engine
-    (process-wide; before the engine is built). Nothing there runs Triton (the CPU head is
-    PyTorch), but torch._dynamo, which transformers imports, imports `triton` whenever the
-    package is installed, and libtriton's code then stays resident: tens of MB of the server's
-    peak memory (`bench/bench_serve.py`) for nothing. A None in sys.modules makes `import
-    triton` raise ImportError and `importlib.util.find_spec("triton")` answer None, so torch and
-    transformers treat it as absent. Not for vLLM, which imports Triton on every device, nor
-    for CUDA (the head's kernel). Returns whether it did."""
+    """Keep Triton out of this process when it serves on a CPU with the transformers engine.
+    Process-wide (`sys.modules`), so only the server's entry point calls it (the CLI's serve
+    command, which owns its process), before the engine is built. Nothing there runs Triton
+    (the CPU head is PyTorch), but torch._dynamo, which transformers imports, imports `triton`
+    whenever the package is installed, and libtriton's code then stays resident: tens of MB of
+    the server's peak memory (`bench/bench_serve.py`) for nothing. A None in sys.modules makes
+    `import triton` raise ImportError and `importlib.util.find_spec("triton")` answer None, so
+    torch and transformers treat it as absent. Not for vLLM, which imports Triton on every
+    device, nor for CUDA (the head's kernel). Returns whether it did."""
     if engine != "hf" or torch.cuda.is_available() or "triton" in sys.modules:
         return False
     sys.modules["triton"] = None
     return True
 
 
-def serve(cfg: ServeConfig) -> int:
-    """The CLI's entry: resolve the settings (UserError on a bad one), then serve (a dedicated
-    process: its malloc is told to return freed memory, and a CPU hf server loads no Triton)."""
-    server = TargetServer(cfg)
-    return_freed_memory()
-    keep_triton_out(server.engine_name)
-    server.run()
-    return 0
-
-
-__all__ = ["ServeConfig", "TargetServer", "serve"]
+__all__ = ["ServeConfig", "TargetServer", "keep_triton_out"]
