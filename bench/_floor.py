@@ -10,14 +10,15 @@ What it does
     Its operands are prepared outside the timed call (normalised y, the upcast weight, a
     preallocated [N, V] output), so the floor pays for nothing but the multiply and its
     writes: the ratio head / floor is stricter on the head than any fair baseline.
-    `phases(fn)` runs fn once under `eagle_fast.kernels._common.PhaseClock` and returns the
-    seconds the PyTorch head spent in each phase (norm, upcast, gemm, merge, exp, copy-out;
-    "other" is the rest of the call).
+    `phases(fn)` runs fn once under `torch.profiler.profile` and returns the seconds the
+    PyTorch head spent in each phase (norm, upcast, gemm, merge, exp, copy-out: the head's
+    `record_function` spans, summed by name over every thread; "other" is the rest of the call).
 
 Limits
     On CPU the [N, V] fp32 output of the floor is resident while it is measured (5 GB at
     N=8192, V=151,936); the head never holds one. Phases exist for the PyTorch head only
-    (the Triton kernel fuses them).
+    (the Triton kernel fuses them). Where head groups run on several threads at once, the
+    phases add up their threads' time, which can pass the call's wall time.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from __future__ import annotations
 import time
 
 import torch
-from eagle_fast.kernels._common import PhaseClock
+from eagle_fast.kernels import HEAD_PHASES, SPAN_PREFIX
 from eagle_fast.kernels._cpu import bf16_gemm_available, gemm_bf16_f32
 
-PHASES = ("norm", "upcast", "gemm", "merge", "exp", "copy-out", "other")
+PHASES = (*HEAD_PHASES, "other")
 
 
 def floor_kind(device: str, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -71,16 +72,25 @@ class BareGemm:
 
 
 def phases(fn, device: str = "cpu") -> tuple[object, dict[str, float]]:
-    """(result, seconds per phase) of one call of fn, which calls the PyTorch head."""
+    """(result, seconds per phase) of one call of fn, which calls the PyTorch head, read from
+    a `torch.profiler` run: each phase's spans, CPU time (on CUDA the kernels' device time),
+    summed. "total" is the call's wall time, or the phases' sum where threads overlap."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
     if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with PhaseClock() as clock:
+    every_thread = torch.profiler._ExperimentalConfig(profile_all_threads=True)  # supervise's pool too
+    with torch.profiler.profile(activities=activities, experimental_config=every_thread) as prof:
+        t0 = time.perf_counter()
         result = fn()
         if device == "cuda":
             torch.cuda.synchronize()
-    total = time.perf_counter() - t0
-    out = {p: clock.seconds.get(p, 0.0) for p in PHASES if p != "other"}
-    out["other"] = max(0.0, total - sum(out.values()))
-    out["total"] = total
+        wall = time.perf_counter() - t0
+    out = dict.fromkeys(HEAD_PHASES, 0.0)
+    for event in prof.events():
+        name = event.name.removeprefix(SPAN_PREFIX)
+        if event.name.startswith(SPAN_PREFIX) and name in out:
+            out[name] += (event.device_time_total if device == "cuda" else event.cpu_time_total) / 1e6
+    out["other"] = max(0.0, wall - sum(out.values()))
+    out["total"] = max(wall, sum(out.values()))
     return result, out

@@ -348,7 +348,7 @@ def run_case(inp: Inputs, mode: str, names, *, rounds=None, benchmark=None) -> t
     check = cross_check(sbs.timings, "seed-fp32" if "seed-fp32" in names else names[0])
     phase_s = None
     if "lm_head-torch" in sbs.providers and not sbs.timings["lm_head-torch"].error:
-        # one more call, under the phase clock (outside the timed rounds)
+        # one more call, under torch.profiler (outside the timed rounds)
         _, phase_s = _floor.phases(sbs.providers["lm_head-torch"], device)
     outs = {n: (t.result or {}).get("_output_bytes") for n, t in sbs.timings.items()}
     sbs.drop_results()

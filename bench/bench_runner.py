@@ -19,7 +19,7 @@ What it does
                                this device's fastest exact GEMM, fp32 out, operands prepared)
     and reports tokens/s (non-pad tokens / call time), the head's share of each call
     (1 - capture time / call time), the head's time (call minus capture) as a ratio to the
-    floor, the fast path's time by phase (one more call under the head's phase clock) and peak
+    floor, the fast path's time by phase (one more call under torch.profiler) and peak
     extra memory of each call (main-process RSS: the vLLM engine runs in its own processes),
     then prints the runner goals as PASS/FAIL lines.
 

@@ -191,8 +191,8 @@ def _floor_table(cases, get) -> list[str]:
         return []
     out = ["### Against the floor: the bare GEMM of each shape", "",
            (f"`gemm-floor` is {'; '.join(sorted(kinds))}, operands prepared outside the call (`bench/_floor.py`). "
-            "Phases are shares of one more call of the PyTorch head under its phase clock (the rounds are untimed "
-            "by it); `other` is the rest of the call."), ""]
+            "Phases are shares of one more call of the PyTorch head under `torch.profiler` (its phase spans; the "
+            "rounds run without it); `other` is the rest of the call."), ""]
     out += _table(["shape", "N", "H", "V", "mode", "head", "floor", "head time", "vs floor",
                    *PHASES], rows)
     return out
@@ -232,7 +232,7 @@ def runner_section(d: dict) -> list[str]:
                  "(`bench/_floor.py`); head time = call minus the engine's capture of the same rows."), ""]
     ph = (by.get("forward_eagle3_supervision") or {}).get("phases_s") or {}
     if ph.get("total"):
-        out += ["`forward_eagle3_supervision` by phase (one more call under the head's phase clock; `other` is "
+        out += ["`forward_eagle3_supervision` by phase (one more call under `torch.profiler`; `other` is "
                 "the capture, the aux scatter and the copies into the [B, S] fields): "
                 + ", ".join(f"{p} {100 * ph[p] / ph['total']:.0f}%" for p in PHASES if p in ph) + ".", ""]
     if d.get("cross_check"):

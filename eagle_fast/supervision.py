@@ -36,7 +36,6 @@ from eagle_fast.kernels import (
     OUT_DTYPE_FIELDS,
     OUTPUT_NAMES,
     HeadOutput,
-    PhaseClock,
     one_thread_here,
     per_thread_counts_available,
 )
@@ -286,13 +285,12 @@ def supervise(
 
 def group_workers(finals: Sequence[torch.Tensor | None], n_groups: int, impl: str) -> int:
     """How many head groups `supervise` computes at once: the calling thread's torch thread
-    count on a CPU (one thread each), 1 on CUDA, for the Triton interpreter, while a
-    `PhaseClock` times the phases, for a single group (which keeps all the caller's threads),
-    or where a pool thread's count cannot be set for that thread alone
-    (`per_thread_counts_available`)."""
+    count on a CPU (one thread each), 1 on CUDA, for the Triton interpreter, for a single group
+    (which keeps all the caller's threads), or where a pool thread's count cannot be set for
+    that thread alone (`per_thread_counts_available`)."""
     first = next((f for f in finals if f is not None), None)
     if (first is None or first.device.type != "cpu" or impl not in ("auto", "torch") or n_groups < 2
-            or PhaseClock.active is not None or not per_thread_counts_available()):
+            or not per_thread_counts_available()):
         return 1
     return max(1, min(torch.get_num_threads(), n_groups))
 

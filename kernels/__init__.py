@@ -40,20 +40,22 @@ from collections.abc import Iterable
 import torch
 
 from ._common import (
+    HEAD_PHASES,
     LSE_OUTPUTS,
     NORM_MODES,
     OUT_DTYPE_FIELDS,
     OUTPUT_NAMES,
+    SPAN_PREFIX,
     HeadOutput,
     HeadRequest,
-    PhaseClock,
     empty_output,
 )
 from ._cpu import one_thread_here, per_thread_counts_available
 from .reference import lm_head_logits_torch, lm_head_torch
 
-__all__ = ["LSE_OUTPUTS", "OUTPUT_NAMES", "OUT_DTYPE_FIELDS", "HeadOutput", "PhaseClock", "draft_ids_from_d2t",
-           "draft_ids_from_t2d", "lm_head", "lm_head_logits", "one_thread_here", "per_thread_counts_available"]
+__all__ = ["HEAD_PHASES", "LSE_OUTPUTS", "OUTPUT_NAMES", "OUT_DTYPE_FIELDS", "SPAN_PREFIX", "HeadOutput",
+           "draft_ids_from_d2t", "draft_ids_from_t2d", "lm_head", "lm_head_logits", "one_thread_here",
+           "per_thread_counts_available"]
 
 IMPLS = ("auto", "triton", "torch")
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -58,7 +58,7 @@ import math
 
 import torch
 
-from ._common import HeadOutput, HeadRequest, empty_output, lap
+from ._common import HeadOutput, HeadRequest, empty_output, phase
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
 from ._reference_draft import draft_log_softmax, draft_topk_outputs
 from ._reference_running import RunningTopK, update_argmax
@@ -205,20 +205,19 @@ def _gemm_operands(req: HeadRequest, k: int):
     hidden, weight = req.hidden, req.weight
     dev = hidden.device
     N, H = hidden.shape
-    lap(None)  # a new call: the clock starts here
-    y = normalize(hidden, req.norm_weight, eps=req.eps, norm=req.norm, dtype=weight.dtype)
-    on_cpu = dev.type != "cuda"
-    C = choose_chunk(N, H, req.vocab, k, dev.type)
-    R = choose_row_block(N, C, dev.type)
-    w_buf = None
-    if on_cpu:
-        if not (weight.dtype == torch.bfloat16 and bf16_gemm_available()):
-            y = y.float()  # else y stays bf16 (and contiguous, as `normalize` makes it)
-            if weight.dtype != torch.float32:
-                w_buf = torch.empty(C * H, dtype=torch.float32, device=dev)
-    elif y.dtype != torch.float32 and not _mm_out_dtype_works(y):
-        y = y.float()  # same math through exactly-upcast operands, one chunk of W at a time
-    lap("norm", dev)
+    with phase("norm"):
+        y = normalize(hidden, req.norm_weight, eps=req.eps, norm=req.norm, dtype=weight.dtype)
+        on_cpu = dev.type != "cuda"
+        C = choose_chunk(N, H, req.vocab, k, dev.type)
+        R = choose_row_block(N, C, dev.type)
+        w_buf = None
+        if on_cpu:
+            if not (weight.dtype == torch.bfloat16 and bf16_gemm_available()):
+                y = y.float()  # else y stays bf16 (and contiguous, as `normalize` makes it)
+                if weight.dtype != torch.float32:
+                    w_buf = torch.empty(C * H, dtype=torch.float32, device=dev)
+        elif y.dtype != torch.float32 and not _mm_out_dtype_works(y):
+            y = y.float()  # same math through exactly-upcast operands, one chunk of W at a time
     return y, on_cpu, C, R, w_buf
 
 
@@ -227,38 +226,37 @@ def _weight_chunk(weight, c0: int, c1: int, ids, w_buf, gather_buf=None):
     the reused `gather_buf` when there is one), and the operand the CPU GEMM takes: the chunk
     upcast into `w_buf`, or the chunk itself. Reused buffers matter: a fresh half-MiB block per
     chunk is an mmap, page faults and an munmap whenever malloc hands large blocks to mmap."""
-    if ids is None:
-        w_chunk = weight[c0:c1]
-    elif gather_buf is None:
-        w_chunk = weight.index_select(0, ids)
-    else:
-        w_chunk = gather_buf[: ids.numel() * weight.shape[1]].view(ids.numel(), weight.shape[1])
-        torch.index_select(weight, 0, ids, out=w_chunk)
-    if w_buf is None:
-        lap("upcast", weight.device)
-        return w_chunk, w_chunk
-    w32 = w_buf[: w_chunk.numel()].view(w_chunk.shape)
-    w32.copy_(w_chunk)
-    lap("upcast", weight.device)
-    return w_chunk, w32
+    with phase("upcast"):
+        if ids is None:
+            w_chunk = weight[c0:c1]
+        elif gather_buf is None:
+            w_chunk = weight.index_select(0, ids)
+        else:
+            w_chunk = gather_buf[: ids.numel() * weight.shape[1]].view(ids.numel(), weight.shape[1])
+            torch.index_select(weight, 0, ids, out=w_chunk)
+        if w_buf is None:
+            return w_chunk, w_chunk
+        w32 = w_buf[: w_chunk.numel()].view(w_chunk.shape)
+        w32.copy_(w_chunk)
+        return w_chunk, w32
 
 
 def _gemm_tile(req: HeadRequest, y_rows, w_chunk, w32, tile, on_cpu: bool) -> torch.Tensor:
     """Logits of one [rows, chunk] tile: GEMM (into `tile` when given), then scale and softcap
     in place. On CUDA with `tile=None` the GEMM's own output is the tile."""
-    if on_cpu and y_rows.dtype == torch.bfloat16:
-        gemm_bf16_f32(y_rows, w_chunk, tile)
-    elif on_cpu:
-        torch.mm(y_rows, w32.t(), out=tile)
-    elif tile is None:
-        tile = _mm_fp32_out(y_rows, w_chunk)
-    else:
-        tile.copy_(_mm_fp32_out(y_rows, w_chunk))
-    if req.logit_scale != 1.0:
-        tile.mul_(req.logit_scale)
-    if req.softcap is not None:
-        tile.div_(req.softcap).tanh_().mul_(req.softcap)
-    lap("gemm", tile.device)
+    with phase("gemm"):
+        if on_cpu and y_rows.dtype == torch.bfloat16:
+            gemm_bf16_f32(y_rows, w_chunk, tile)
+        elif on_cpu:
+            torch.mm(y_rows, w32.t(), out=tile)
+        elif tile is None:
+            tile = _mm_fp32_out(y_rows, w_chunk)
+        else:
+            tile.copy_(_mm_fp32_out(y_rows, w_chunk))
+        if req.logit_scale != 1.0:
+            tile.mul_(req.logit_scale)
+        if req.softcap is not None:
+            tile.div_(req.softcap).tanh_().mul_(req.softcap)
     return tile
 
 
@@ -368,22 +366,22 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
                 scratch = tile  # CUDA: the GEMM's fresh output is this tile's scratch
 
             rmax, rsum, rarg = run_max[r0:r1], run_sum[r0:r1], run_arg[r0:r1]
-            new_max, tile_max, ranked = update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
-            topk = topks[blk] if topks is not None and not (want_dtopk and c1 > Vd) else None
-            if topk is not None:
-                topk.update(ranked, c0, tile_max)
-            del ranked
-            lap("merge", dev)
+            with phase("merge"):
+                new_max, tile_max, ranked = update_argmax(tile, c0, rmax, rarg, on_cpu, ids)
+                topk = topks[blk] if topks is not None and not (want_dtopk and c1 > Vd) else None
+                if topk is not None:
+                    topk.update(ranked, c0, tile_max)
+                del ranked
 
-            if logits_out is not None and logits_out is not gemm_into:
-                logits_out[r0:r1, c0:c1].copy_(tile)
-            if logprobs32 is not None and logprobs32 is not gemm_into:
-                logprobs32[r0:r1, c0:c1].copy_(tile)
-            if local_draft is not None:
-                draft_buf[r0:r1, a:b] = tile.index_select(1, local_draft)
-            elif draft_dst is not None:
-                draft_dst[r0:r1].copy_(tile)
-            lap("copy-out", dev)
+            with phase("copy-out"):
+                if logits_out is not None and logits_out is not gemm_into:
+                    logits_out[r0:r1, c0:c1].copy_(tile)
+                if logprobs32 is not None and logprobs32 is not gemm_into:
+                    logprobs32[r0:r1, c0:c1].copy_(tile)
+                if local_draft is not None:
+                    draft_buf[r0:r1, a:b] = tile.index_select(1, local_draft)
+                elif draft_dst is not None:
+                    draft_dst[r0:r1].copy_(tile)
             if not (need_lse or (draft_first and c1 <= Vd)):
                 rmax.copy_(new_max)  # nothing needs this tile's exp: its max was all
                 del tile, scratch
@@ -391,20 +389,20 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
 
             # This tile's mass outside the top-k candidates, relative to the new running
             # max, in the scratch tile (a tile that is an output stays intact).
-            if scratch is None:
-                scratch = torch.empty_like(tile)
-            if scratch is tile:
-                scratch.sub_(new_max[:, None])
-            else:
-                torch.sub(tile, new_max[:, None], out=scratch)
-            scratch.exp_()
-            if topk is not None:
-                topk.zero_candidates(scratch)
-            rsum.mul_(torch.exp((rmax - new_max).double())).add_(scratch.sum(dim=1))
-            if topk is not None and topk.evicted is not None and topk.evicted.shape[1]:
-                rsum += torch.exp(topk.evicted.double() - new_max.double()[:, None]).sum(1)
-            rmax.copy_(new_max)
-            lap("exp", dev)
+            with phase("exp"):
+                if scratch is None:
+                    scratch = torch.empty_like(tile)
+                if scratch is tile:
+                    scratch.sub_(new_max[:, None])
+                else:
+                    torch.sub(tile, new_max[:, None], out=scratch)
+                scratch.exp_()
+                if topk is not None:
+                    topk.zero_candidates(scratch)
+                rsum.mul_(torch.exp((rmax - new_max).double())).add_(scratch.sum(dim=1))
+                if topk is not None and topk.evicted is not None and topk.evicted.shape[1]:
+                    rsum += torch.exp(topk.evicted.double() - new_max.double()[:, None]).sum(1)
+                rmax.copy_(new_max)
             del tile, scratch  # CUDA: free this tile before the next GEMM allocates its own
         if draft_first and c1 == Vd and want_dtopk:  # the draft range is complete
             values = torch.cat([t.values for t in topks])
@@ -414,33 +412,33 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
             draft_lse = (run_max.double() + torch.log(run_sum)).float()
     tile_buf = w_buf = gather_buf = None  # free the chunk buffers before the draft normalisation
 
-    out = HeadOutput(lse=None, argmax=run_arg)
-    if need_lse:
-        max64 = run_max.double()
-        if topks is not None:
-            top_values = torch.cat([t.values for t in topks])
-            total = run_sum + torch.exp(top_values.double() - max64[:, None]).sum(1)
-        else:
-            total = run_sum
-        lse64 = max64 + torch.log(total)
-        out.lse = lse64.float()
-    if logits_out is not None:
-        out.logits = logits_out
-    if logprobs32 is not None:
-        out.logprobs = logprobs32.sub_(out.lse[:, None]).to(req.out_dtype)
-    if req.wants("topk"):
-        out.topk_ids = torch.cat([t.ids for t in topks])
-        out.topk_logprobs = (top_values.double() - lse64[:, None]).to(req.out_dtype)
-        out.topk_tail = (run_sum / total).clamp_(0.0, 1.0).float()
-    if want_dtopk:
-        out.draft_topk_ids = torch.cat([t.ids for t in topks])
-        out.draft_topk_logprobs, out.draft_topk_tail = dtopk_logprobs, dtopk_tail
-    if keep_draft:
-        out.draft_logprobs = draft_log_softmax(draft_buf, draft_lse, req.out_dtype, R * C)
-    if want_draft:
-        pos = torch.searchsorted(draft_ids, run_arg).clamp_max(Vd - 1)
-        out.argmax_in_draft = draft_ids[pos] == run_arg
-    lap("copy-out", dev)
+    with phase("copy-out"):
+        out = HeadOutput(lse=None, argmax=run_arg)
+        if need_lse:
+            max64 = run_max.double()
+            if topks is not None:
+                top_values = torch.cat([t.values for t in topks])
+                total = run_sum + torch.exp(top_values.double() - max64[:, None]).sum(1)
+            else:
+                total = run_sum
+            lse64 = max64 + torch.log(total)
+            out.lse = lse64.float()
+        if logits_out is not None:
+            out.logits = logits_out
+        if logprobs32 is not None:
+            out.logprobs = logprobs32.sub_(out.lse[:, None]).to(req.out_dtype)
+        if req.wants("topk"):
+            out.topk_ids = torch.cat([t.ids for t in topks])
+            out.topk_logprobs = (top_values.double() - lse64[:, None]).to(req.out_dtype)
+            out.topk_tail = (run_sum / total).clamp_(0.0, 1.0).float()
+        if want_dtopk:
+            out.draft_topk_ids = torch.cat([t.ids for t in topks])
+            out.draft_topk_logprobs, out.draft_topk_tail = dtopk_logprobs, dtopk_tail
+        if keep_draft:
+            out.draft_logprobs = draft_log_softmax(draft_buf, draft_lse, req.out_dtype, R * C)
+        if want_draft:
+            pos = torch.searchsorted(draft_ids, run_arg).clamp_max(Vd - 1)
+            out.argmax_in_draft = draft_ids[pos] == run_arg
     return out
 
 
@@ -475,4 +473,5 @@ def lm_head_logits_torch(req: HeadRequest, pieces: list[torch.Tensor]) -> None:
                 tile = tile_buf[: window.numel()].view(window.shape) if on_cpu else window
                 _gemm_tile(req, y[p0 + r0 : p0 + r1], w_chunk, w32, tile, on_cpu)
                 if on_cpu:
-                    window.copy_(tile)
+                    with phase("copy-out"):
+                        window.copy_(tile)

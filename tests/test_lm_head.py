@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from _assert import assert_close, assert_ids_equal
 from _oracle import lm_head_oracle
 from eagle_fast.kernels import (
+    SPAN_PREFIX,
     HeadOutput,
     _cpu,
     draft_ids_from_d2t,
@@ -1242,19 +1243,19 @@ def test_avx2_caps_take_effect():
 def test_exp_pass_runs_only_where_an_output_needs_it(outputs, exp_tiles, gen):
     # The logsumexp pass (an exp of every logit of a tile) is the per-logit cost beyond the
     # GEMM and one max. "draft" needs it over the draft columns only (its own logsumexp),
-    # "argmax" nowhere; lse, logprobs and top-k over every tile. Counted through the phase
-    # laps the head takes: one "gemm" lap per tile, one "exp" lap per tile that ran the pass.
+    # "argmax" nowhere; lse, logprobs and top-k over every tile. Counted through the head's
+    # phase spans in a profile: one "gemm" span per tile, one "exp" span per tile that ran it.
     N, H, V = 10, 32, 1000
     hidden, weight, norm_weight = make_inputs(gen, N, H, V, torch.float32)
     draft = random_draft(gen, V, 300)
-    laps = []
-    with small_chunks(128, rows=4), mock.patch.object(reference, "lap", lambda p, d=None: laps.append(p)):
+    with small_chunks(128, rows=4), torch.profiler.profile() as prof:
         out = lm_head(hidden, weight, norm_weight, outputs=outputs, k=5, draft_ids=draft, impl="torch")
+    spans = [e.name.removeprefix(SPAN_PREFIX) for e in prof.events() if e.name.startswith(SPAN_PREFIX)]
     blocks = -(-N // 4)
     # draft-first order (draft without top-k): the 300 draft columns in 3 chunks, then 6
     chunks = 3 + 6 if "draft" in outputs and "topk" not in outputs else -(-V // 128)
-    tiles = laps.count("gemm")
+    tiles = spans.count("gemm")
     assert tiles == chunks * blocks, (tiles, chunks * blocks)
     want = {"all": tiles, "none": 0, "draft": 3 * blocks}[exp_tiles]
-    assert laps.count("exp") == want, (laps.count("exp"), want, tiles)
+    assert spans.count("exp") == want, (spans.count("exp"), want, tiles)
     assert (out.lse is None) == (exp_tiles in ("draft", "none")), "lse must come back exactly when computed"

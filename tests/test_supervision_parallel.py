@@ -6,8 +6,10 @@
 - Only the pool's threads run single-threaded: while the groups run, a thread that already ran
   torch and a thread started then both read their own count, and the caller's never changes.
 - A group that raises fails the call with its own error.
+- A profiler changes neither the scheduling nor the bits: the groups still run at once, and
+  the profile holds the head's phase spans from both pool threads.
 - One group, an explicit Triton impl (the interpreter on a CPU), CUDA-less inputs gone (all
-  None), one torch thread and a running `PhaseClock` stay sequential.
+  None) and one torch thread stay sequential.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from unittest import mock
 import pytest
 import torch
 from _runner_helpers import draft_vocab, make_batch, rows
-from eagle_fast.kernels._common import PhaseClock
+from eagle_fast.kernels import SPAN_PREFIX
 
 from eagle_fast import supervision as SV
 
@@ -139,13 +141,28 @@ def test_a_failing_group_fails_the_call(hf_llama, two_threads):
     assert torch.get_num_threads() == 2
 
 
+def test_a_profiler_changes_neither_the_scheduling_nor_the_bits(hf_llama, two_threads):
+    ids, mask = make_batch(lengths=(40, 33, 20), seed=11)
+    kw = {"outputs": ("draft", "lse"), "draft_ids": draft_vocab(), "out_dtype": torch.float32}
+    with mock.patch.object(SV, "GROUP_TOKENS", 16):
+        want = hf_llama.forward_eagle3_supervision(ids, mask, **kw)
+        rec = Recorder(hf_llama.head)
+        every_thread = torch.profiler._ExperimentalConfig(profile_all_threads=True)
+        with mock.patch.object(hf_llama.head, "compute", rec), \
+                torch.profiler.profile(experimental_config=every_thread) as prof:
+            got = hf_llama.forward_eagle3_supervision(ids, mask, **kw)
+    assert rec.most == 2 and len(rec.threads) == 2, (rec.most, rec.threads)
+    for name in ("draft_logprobs", "argmax_in_draft", "argmax", "lse"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    gemm_threads = {e.thread for e in prof.events() if e.name == SPAN_PREFIX + "gemm"}
+    assert len(gemm_threads) == 2, f"the profile holds head spans from {len(gemm_threads)} thread(s)"
+
+
 def test_when_groups_stay_sequential(two_threads):
     cpu = [torch.zeros(3, 4)]
     assert SV.group_workers(cpu, 5, "auto") == 2 and SV.group_workers(cpu, 5, "torch") == 2
     assert SV.group_workers(cpu, 1, "auto") == 1  # one group keeps every thread
     assert SV.group_workers(cpu, 5, "triton") == 1  # the interpreter patches triton globally
     assert SV.group_workers([None, None], 5, "auto") == 1
-    with PhaseClock():
-        assert SV.group_workers(cpu, 5, "auto") == 1  # the phase timings stay one call's
     torch.set_num_threads(1)
     assert SV.group_workers(cpu, 5, "auto") == 1
