@@ -145,11 +145,14 @@ def _thread_count_setters():
         return None
     try:
         maps = Path("/proc/self/maps").read_text()
-        runtime = next(line.split()[-1] for line in maps.splitlines()
-                       if Path(line.split()[-1]).name.startswith(("libgomp", "libiomp5")))
-        omp_set = ctypes.CDLL(runtime).omp_set_num_threads
+        # One OpenMP runtime mapped is the one ATen uses; with two, which one is not known.
+        runtimes = {line.split()[-1] for line in maps.splitlines()
+                    if Path(line.split()[-1]).name.startswith(("libgomp", "libiomp5"))}
+        if len(runtimes) != 1:
+            return None
+        omp_set = ctypes.CDLL(runtimes.pop()).omp_set_num_threads
         mkl_set = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).MKL_Set_Num_Threads_Local
-    except (OSError, AttributeError, StopIteration):
+    except (OSError, AttributeError):
         return None
     omp_set.argtypes, omp_set.restype = [ctypes.c_int], None
     mkl_set.argtypes, mkl_set.restype = [ctypes.c_int], ctypes.c_int
