@@ -79,8 +79,11 @@ def phases(fn, device: str = "cpu") -> tuple[object, dict[str, float]]:
     if device == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
-    every_thread = torch.profiler._ExperimentalConfig(profile_all_threads=True)  # supervise's pool too
-    with torch.profiler.profile(activities=activities, experimental_config=every_thread) as prof:
+    try:  # supervise's pool threads too (a torch without the option profiles this thread only)
+        every_thread = {"experimental_config": torch.profiler._ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:
+        every_thread = {}
+    with torch.profiler.profile(activities=activities, **every_thread) as prof:
         t0 = time.perf_counter()
         result = fn()
         if device == "cuda":

@@ -158,6 +158,6 @@ def phase(name: str):
     profiler sets for the whole process (`torch.autograd._profiler_enabled()` answers for the
     profiling thread only, and the head runs in pool threads too). What the head computes, and
     how, never depends on it."""
-    if torch.autograd.profiler._is_profiler_enabled:
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):  # a torch without the flag: always
         return torch.profiler.record_function(SPAN_PREFIX + name)
     return _NO_SPAN
