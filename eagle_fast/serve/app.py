@@ -102,9 +102,9 @@ class TargetServer:
             raise UserError(f"--max-len {self.max_len}: vLLM needs one position beyond the longest row and this "
                             f"model has {positions}", f"pass --max-len {positions - 1}")
         check_vllm_settings(cfg.vllm, cfg.engine, self.engine_name, self.max_len)
-        # The default factory builds vLLM with the user's settings. Its steps keep vLLM's size,
-        # max(max_len + 1, 16384 on big GPUs): bounded by the longest row, never the model's
-        # context, and smaller than --max-batch-tokens' default (65536), which would only grow them.
+        # The default factory builds vLLM with the user's settings. Its steps keep vLLM's default
+        # size (chunked prefill on: a few thousand tokens, never the model's context), smaller
+        # than --max-batch-tokens' default (65536), which would only grow them.
         factory = runner_factory or functools.partial(default_runner_factory, vllm=cfg.vllm)
 
         def build():
