@@ -145,13 +145,18 @@ def _thread_count_setters():
         return None
     try:
         maps = Path("/proc/self/maps").read_text()
-        # One OpenMP runtime mapped is the one ATen uses; with two, which one is not known.
+        torch_lib = Path(torch.__file__).parent / "lib"
         runtimes = {line.split()[-1] for line in maps.splitlines()
                     if Path(line.split()[-1]).name.startswith(("libgomp", "libiomp5"))}
+        # ATen uses the runtime torch ships beside libtorch_cpu (its RPATH is $ORIGIN); other
+        # packages may map their own (sentencepiece bundles a libgomp). Without one in torch's
+        # lib dir, a single mapped runtime is ATen's; with several, which one is not known.
+        own = {r for r in runtimes if Path(r).parent.resolve() == torch_lib.resolve()}
+        runtimes = own or runtimes
         if len(runtimes) != 1:
             return None
         omp_set = ctypes.CDLL(runtimes.pop()).omp_set_num_threads
-        mkl_set = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so")).MKL_Set_Num_Threads_Local
+        mkl_set = ctypes.CDLL(str(torch_lib / "libtorch_cpu.so")).MKL_Set_Num_Threads_Local
     except (OSError, AttributeError):
         return None
     omp_set.argtypes, omp_set.restype = [ctypes.c_int], None

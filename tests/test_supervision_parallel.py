@@ -166,3 +166,19 @@ def test_when_groups_stay_sequential(two_threads):
     assert SV.group_workers([None, None], 5, "auto") == 1
     torch.set_num_threads(1)
     assert SV.group_workers(cpu, 5, "auto") == 1
+
+
+def test_a_foreign_openmp_runtime_does_not_turn_the_groups_off():
+    """Packages bundle their own libgomp (sentencepiece does); ATen's is still the one in
+    torch's lib dir, so per-thread counts stay available and groups still run at once."""
+    import ctypes
+    from pathlib import Path
+
+    import eagle_fast.kernels._cpu as cpu
+
+    foreign = sorted((Path(torch.__file__).parents[1]).glob("*.libs/libgomp*"))
+    if not foreign:
+        pytest.skip("no package here bundles a second libgomp")
+    ctypes.CDLL(str(foreign[0]))
+    cpu._thread_count_setters.cache_clear()
+    assert cpu.per_thread_counts_available()
