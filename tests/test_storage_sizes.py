@@ -4,14 +4,13 @@ checked against the tensors an extraction really writes, shown in the summary an
 from __future__ import annotations
 
 import dataclasses
-import json
-import struct
 from pathlib import Path
 
 import pytest
 import torch
 from _pipeline import chat_lines, write_jsonl
 
+from eagle_fast.files import read_safetensors_header
 from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.inspect import inspect_text
 from eagle_fast.pipeline.run import extract
@@ -32,11 +31,9 @@ HAS_AUX_DTYPE = "aux_dtype" in {f.name for f in dataclasses.fields(LayoutSpec)}
 
 def _header(path: Path) -> tuple[dict, int]:
     """A safetensors file's tensor entries and the size of its data section."""
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8: 8 + n])
+    header, raw = read_safetensors_header(path)
     header.pop("__metadata__", None)
-    return header, len(raw) - 8 - n
+    return header, path.stat().st_size - 8 - len(raw)
 
 
 CASES = [  # (format, supervision, extra settings)
