@@ -70,3 +70,14 @@ class SharedRunner:
     def really_close(self) -> None:
         self._runner.close()
 
+
+def run_main(capsys, *argv) -> tuple[int, str, str]:
+    """`eagle-fast ARGV` in process: (exit code, stdout, stderr); argparse's exits count too."""
+    from eagle_fast.cli import main
+
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -12,21 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pipeline import chat_lines, mixed_jsonl, tree_digest, write_jsonl
+from _pipeline import chat_lines, mixed_jsonl, run_main, tree_digest, write_jsonl
 
-from eagle_fast.cli import main
 from eagle_fast.pipeline.run import Progress
 
 BIN = Path(sys.executable).parent
-
-
-def run_main(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

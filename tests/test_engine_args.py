@@ -10,24 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _pipeline import mixed_jsonl
+from _pipeline import mixed_jsonl, run_main
 
-from eagle_fast.cli import build_parser, main
+from eagle_fast.cli import build_parser
 from eagle_fast.errors import UserError
 from eagle_fast.runners import _vllm_compat as compat
 from eagle_fast.runners.engine_settings import VLLMSettings, parse_engine_args, select_v1_runner
 
 FLAGS = ("--tensor-parallel-size", "-tp", "--gpu-memory-utilization", "--max-model-len", "--quantization",
          "--enforce-eager", "--no-enforce-eager", "--engine-args", "--capture-dir")
-
-
-def run_main(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:  # argparse
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture(scope="module")

@@ -222,7 +222,7 @@ class VLLMTargetRunner(RunnerBase):
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or self.hidden_size // text.num_attention_heads
         per_token = 2 * self.num_layers * heads * head_dim + n_captures * self.hidden_size
-        per_token *= torch.empty(0, dtype=self.dtype).element_size()
+        per_token *= self.dtype.itemsize
         return min(
             _CPU_KV_MAX_BYTES,
             max(_CPU_KV_MIN_BYTES, _CPU_KV_PROMPTS * per_token * self.max_model_len),
@@ -238,8 +238,7 @@ class VLLMTargetRunner(RunnerBase):
                     "create it, or pass an existing directory (--capture-dir / storage_dir=)",
                 )
             return self._storage_parent
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        need = self.max_model_len * (len(capture_ids) * self.hidden_size * itemsize + 8)
+        need = self.max_model_len * self._staged_bytes_per_token(len(capture_ids))
         if os.path.isdir("/dev/shm"):
             if free_bytes("/dev/shm") >= need:
                 return "/dev/shm"
@@ -294,9 +293,11 @@ class VLLMTargetRunner(RunnerBase):
     def staged_bytes(self, sequences: list[list[int]]) -> int:
         """Bytes one engine call writes to the capture dir: tokens x capture ids x H x the dtype's
         size, plus the stored token ids (int64) and a header per file."""
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        per_token = len(self._capture_ids) * self.hidden_size * itemsize + 8
+        per_token = self._staged_bytes_per_token(len(self._capture_ids))
         return sum(len(s) for s in sequences) * per_token + _HEADER_BYTES * len(sequences)
+
+    def _staged_bytes_per_token(self, n_capture_ids: int) -> int:
+        return n_capture_ids * self.hidden_size * self.dtype.itemsize + 8  # + the int64 token id
 
     def _check_room(self, sequences: list[list[int]]) -> None:
         """Refuse an engine call whose captures would not fit in the capture dir (vLLM would only
@@ -308,7 +309,7 @@ class VLLMTargetRunner(RunnerBase):
                 f"the capture directory {self._storage} has {free / 2**20:,.1f} MiB free, but this "
                 f"engine call writes {need / 2**20:,.1f} MiB ({sum(len(s) for s in sequences):,} "
                 f"tokens x {len(self._capture_ids)} capture ids x H={self.hidden_size} x "
-                f"{torch.empty(0, dtype=self.dtype).element_size()} bytes)",
+                f"{self.dtype.itemsize} bytes)",
                 compat.STAGING_FIX,
             )
 
