@@ -124,20 +124,20 @@ def _head_inputs(n: int, seed: int = 0):
 def tile_sweep(reps: int = 2) -> dict:
     from unittest import mock
 
-    from eagle_fast.kernels import lm_head, reference
+    from eagle_fast.kernels import lm_head, lm_head_torch
 
     hidden, weight, norm_w, draft = _head_inputs(6400)
 
     def call(rows: int, cols: int):
         def fn():
-            with mock.patch.object(reference, "choose_chunk", lambda *a, **kw: cols), \
-                 mock.patch.object(reference, "choose_row_block", lambda n, *a, **kw: min(rows, n)):
+            with mock.patch.object(lm_head_torch, "choose_chunk", lambda *a, **kw: cols), \
+                 mock.patch.object(lm_head_torch, "choose_row_block", lambda n, *a, **kw: min(rows, n)):
                 lm_head(hidden, weight, norm_w, outputs=("draft", "argmax"), draft_ids=draft, impl="torch")
         return fn
 
     t = _interleaved({f"{r}x{c}": call(r, c) for r, c in TILES}, reps)
-    C = reference.choose_chunk(6400, 256, V)
-    return {"seconds": t, "default": f"{reference.choose_row_block(6400, C)}x{C}", "rows": 6400}
+    C = lm_head_torch.choose_chunk(6400, 256, V)
+    return {"seconds": t, "default": f"{lm_head_torch.choose_row_block(6400, C)}x{C}", "rows": 6400}
 
 
 def call_overhead(reps: int = 5) -> dict:

@@ -8,7 +8,7 @@ What it does
                        then log_softmax / logsumexp / argmax / topk / draft gather on them
       2 torch-native   plain PyTorch in the weight dtype: norm rounded to bf16, bf16 GEMM with
                        full bf16 logits, reductions on logits.float() as users write them
-      3 lm_head-torch  lm_head(impl="torch"), the chunked reference / CPU path
+      3 lm_head-torch  lm_head(impl="torch"), the chunked PyTorch / CPU path
       4 lm_head-triton lm_head(impl="triton"), CUDA only
       5 gemm-floor     the bare GEMM y @ W.T of the shape on the already-normalised y, fp32
                        out, in this device's fastest exact mode (`_floor.py`): the floor any

@@ -14,7 +14,7 @@ architecture (`_ARCH_HEADS`); for anything else the error names what is missing,
 `overrides={"norm": ..., "eps": ..., "logit_scale": ..., "softcap": ...}` supplies it.
 
 Weights that are not finite are refused when the head is built (`check_finite`: one read).
-`TargetHead.compute` runs `eagle_fast.kernels.lm_head` (fused Triton on CUDA, PyTorch reference
+`TargetHead.compute` runs `eagle_fast.kernels.lm_head` (fused Triton on CUDA, PyTorch
 elsewhere) and returns its `HeadOutput`. Limits: RMSNorm-style final norms only (LayerNorm with
 bias, e.g. Cohere or GPT-2, is rejected); no tensor-parallel sharding of the head.
 """

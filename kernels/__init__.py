@@ -4,8 +4,8 @@ What it does
     `lm_head(hidden, weight, norm_weight, ...)` turns final pre-norm hidden states [..., H] into
     EAGLE-3 supervision (lse, argmax, top-k, draft-vocab log-probs, optionally full logits /
     logprobs) through one of two implementations with the same semantics
-    (`reference.py`'s header defines them):
-      impl="torch"  `reference.lm_head_torch`: PyTorch, any device, chunked over the vocabulary;
+    (`lm_head_torch.py`'s header defines them):
+      impl="torch"  `lm_head_torch.lm_head_torch`: PyTorch, any device, chunked over the vocabulary;
       impl="triton" `lm_head_triton.lm_head_triton`: the fused Triton kernel (CUDA, or the Triton
                     interpreter for CPU tensors);
       impl="auto"   Triton for CUDA tensors when Triton is importable, torch otherwise.
@@ -39,6 +39,7 @@ from collections.abc import Iterable
 
 import torch
 
+from . import lm_head_torch  # the module (a function of the same name would shadow it)
 from ._common import (
     HEAD_PHASES,
     LSE_OUTPUTS,
@@ -51,7 +52,7 @@ from ._common import (
     empty_output,
 )
 from ._cpu import one_thread_here, per_thread_counts_available
-from .reference import lm_head_logits_torch, lm_head_torch
+from .lm_head_torch import lm_head_logits_torch
 
 __all__ = ["HEAD_PHASES", "LSE_OUTPUTS", "OUTPUT_NAMES", "OUT_DTYPE_FIELDS", "SPAN_PREFIX", "HeadOutput",
            "draft_ids_from_d2t", "draft_ids_from_t2d", "lm_head", "lm_head_logits", "one_thread_here",
@@ -288,7 +289,7 @@ def lm_head(
     """Final norm + LM head + on-the-fly reductions, without full fp32 logits unless asked.
 
     logits = softcap * tanh(scale * (round(norm(hidden)) @ weight.T) / softcap), fp32 accumulate
-    (see `reference.py` for the exact rounding points).
+    (see `lm_head_torch.py` for the exact rounding points).
 
     Args:
         hidden: [..., H] bf16 | fp16 | fp32, the final hidden state BEFORE the final norm.
@@ -344,7 +345,7 @@ def lm_head(
     elif impl == "triton":
         out = _triton_impl()(req)
     else:
-        out = lm_head_torch(req)
+        out = lm_head_torch.lm_head_torch(req)
     return out.reshape(lead)
 
 

@@ -2,7 +2,7 @@
 
 `eagle_fast.kernels.lm_head` validates user input once, flattens leading dims to N rows, and
 hands a `HeadRequest` to one implementation:
-  - `reference.lm_head_torch(req)`  (PyTorch, any device; the CPU fallback and the oracle's
+  - `lm_head_torch.lm_head_torch(req)`  (PyTorch, any device; the CPU fallback and the oracle's
     rounding model), and
   - `lm_head_triton.lm_head_triton(req)`   (the fused Triton kernel; CUDA, or the Triton interpreter
     for CPU tensors).
@@ -142,7 +142,7 @@ def empty_output(req: HeadRequest) -> HeadOutput:
     return out
 
 
-# The PyTorch head's phases (reference.py): each runs inside a `torch.profiler.record_function`
+# The PyTorch head's phases (lm_head_torch.py): each runs inside a `torch.profiler.record_function`
 # span named "lm_head.<phase>", so a profiler attached to a call shows where its time goes
 # (bench/_floor.py `phases` reads them). norm; upcast (weight chunk gather / upcast); gemm; merge
 # (running argmax / top-k); exp (the logsumexp passes); copy-out (outputs written, normalised

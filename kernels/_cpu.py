@@ -2,7 +2,7 @@
 
 ISA. The CPU head's speed (and which baseline is fastest) depends on it: with AVX512-BF16/AMX,
 bf16 GEMMs run in hardware; on AVX2 they are emulated and the fp32 GEMM is the fast one.
-Results agree across ISAs within the oracle's tolerance (reference.py, "Bit-identity").
+Results agree across ISAs within the oracle's tolerance (lm_head_torch.py, "Bit-identity").
 `make test-avx2` sets ISA_CAPS to run torch, oneDNN, MKL and this module as an AVX2-only CPU
 would; vLLM's own kernels pick their ISA from the hardware and are not capped.
 

@@ -2,7 +2,7 @@
 
 `lm_head_oracle(hidden, weight, ...)` takes `lm_head`'s arguments and computes the logits in
 float64 after the SAME rounding of the normalised activation as the head
-(`reference.normalize`, the one rounding the semantics define), then reduces them with
+(`lm_head_torch.normalize`, the one rounding the semantics define), then reduces them with
 `oracle_from_logits`, which also serves logits from elsewhere (transformers' own, in the
 runner tests). Ties follow the head's rule through a stable sort (equal values keep ascending
 id order); topk_tail is summed directly over the tokens outside the top-k.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from eagle_fast.kernels import HeadOutput
-from eagle_fast.kernels.reference import normalize
+from eagle_fast.kernels.lm_head_torch import normalize
 
 
 def _reduce(logits: torch.Tensor, k: int, draft_ids: torch.Tensor | None) -> HeadOutput:

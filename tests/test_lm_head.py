@@ -49,11 +49,11 @@ from eagle_fast.kernels import (
     draft_ids_from_t2d,
     lm_head,
     lm_head_logits,
-    reference,
+    lm_head_torch,
 )
 from eagle_fast.kernels._common import OUT_DTYPE_FIELDS
-from eagle_fast.kernels._reference_running import RunningTopK
-from eagle_fast.kernels.reference import normalize_fp32
+from eagle_fast.kernels._torch_running import RunningTopK
+from eagle_fast.kernels.lm_head_torch import normalize_fp32
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -112,8 +112,8 @@ def random_draft(gen, V, size):
 def small_chunks(width: int = SMALL_CHUNK, rows: int = SMALL_ROWS):
     """Chunks of `width` columns and row blocks of `rows` rows: every cross-tile merge runs."""
     with (
-        mock.patch.object(reference, "choose_chunk", lambda *a, **kw: width),
-        mock.patch.object(reference, "choose_row_block", lambda *a, **kw: rows),
+        mock.patch.object(lm_head_torch, "choose_chunk", lambda *a, **kw: width),
+        mock.patch.object(lm_head_torch, "choose_row_block", lambda *a, **kw: rows),
     ):
         yield
 
@@ -701,25 +701,25 @@ def test_torch_impl_never_builds_vocab_sized_tensors(gen):
 
 
 def test_choose_chunk_bounds_the_tile():
-    budget, wbudget = reference._CPU_TILE_BYTES, reference._CPU_WCHUNK_BYTES
+    budget, wbudget = lm_head_torch._CPU_TILE_BYTES, lm_head_torch._CPU_WCHUNK_BYTES
     assert budget <= 64 << 20 and wbudget <= 64 << 20  # cache-sized, whatever the vocabulary
     # the benchmark shapes: C a multiple of 256, C < V, tile [R, C] fp32 within the budget
     for n, h in ((1024, 1024), (6400, 256), (8192, 4096)):
-        C = reference.choose_chunk(n, h, 151_936, k=64)
-        R = reference.choose_row_block(n, C)
+        C = lm_head_torch.choose_chunk(n, h, 151_936, k=64)
+        R = lm_head_torch.choose_row_block(n, C)
         assert C % 256 == 0 and C < 151_936 and R * C * 4 <= budget, (n, h, C, R)
         assert C * h * 4 <= max(wbudget, 256 * h * 4), (n, h, C)  # weight chunk bounded
         assert 16 <= R <= n and R % 16 == 0
     # a wide hidden keeps the minimum width of 256 columns
-    assert reference.choose_chunk(16, 8192, 151_936) == 256
+    assert lm_head_torch.choose_chunk(16, 8192, 151_936) == 256
     # k never exceeds the chunk (the top-k merge would dominate), and tiny vocabularies clamp
-    assert reference.choose_chunk(8192, 4096, 262_144, k=1000) >= 1000
-    assert reference.choose_chunk(4, 16, 10, k=3) == 10
-    assert reference.choose_row_block(5, 1024) == 5
+    assert lm_head_torch.choose_chunk(8192, 4096, 262_144, k=1000) >= 1000
+    assert lm_head_torch.choose_chunk(4, 16, 10, k=3) == 10
+    assert lm_head_torch.choose_row_block(5, 1024) == 5
     # CUDA: one row block, chunk bounded by the tile budget over max(N, H)
-    assert reference.choose_row_block(4096, 8192, "cuda") == 4096
-    C = reference.choose_chunk(4096, 4096, 151_936, device_type="cuda")
-    assert C * 4096 * 4 <= reference._CUDA_TILE_BYTES
+    assert lm_head_torch.choose_row_block(4096, 8192, "cuda") == 4096
+    C = lm_head_torch.choose_chunk(4096, 4096, 151_936, device_type="cuda")
+    assert C * 4096 * 4 <= lm_head_torch._CUDA_TILE_BYTES
 
 
 @pytest.mark.parametrize("chunk", [64, 100, 4096])
@@ -770,7 +770,7 @@ def test_cpu_head_changes_no_global_state(dtype, gen):
         return gemm
 
     with mock.patch.object(torch, "mm", spy(torch.mm)), \
-         mock.patch.object(reference, "gemm_bf16_f32", spy(reference.gemm_bf16_f32)):
+         mock.patch.object(lm_head_torch, "gemm_bf16_f32", spy(lm_head_torch.gemm_bf16_f32)):
         lm_head(hidden, weight, norm_weight, outputs=ALL_OUTPUTS, k=8,
                 draft_ids=torch.arange(0, 3000, 7), impl="torch")
         lm_head_logits(hidden, weight, norm_weight)
@@ -836,8 +836,8 @@ def test_cpu_head_takes_the_bf16_gemm_where_the_hardware_has_one(gen):
     # bf16 weights run MKL's bf16 GEMM on AVX512-BF16/AMX (uncapped) and the fp32 GEMM on
     # upcast operands elsewhere; fp16 and fp32 weights always take the fp32 GEMM.
     calls = []
-    real = reference.gemm_bf16_f32
-    with mock.patch.object(reference, "gemm_bf16_f32", lambda *a: calls.append(1) or real(*a)):
+    real = lm_head_torch.gemm_bf16_f32
+    with mock.patch.object(lm_head_torch, "gemm_bf16_f32", lambda *a: calls.append(1) or real(*a)):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             calls.clear()
             hidden, weight, norm_weight = make_inputs(gen, 8, 32, 300, dtype)

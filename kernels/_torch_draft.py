@@ -1,6 +1,6 @@
 """The draft vocabulary's outputs of the PyTorch head: dense log-probs and the sparse top-k.
 
-`reference.lm_head_torch` walks the draft ids first when it needs draft outputs without a full
+`lm_head_torch.lm_head_torch` walks the draft ids first when it needs draft outputs without a full
 [N, V] output (draft-first order), so the draft columns are one contiguous range of the walk:
   - "draft": raw fp32 draft logits land in an [N, Vd] buffer, normalised at the end
     (`draft_log_softmax`);

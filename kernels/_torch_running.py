@@ -1,6 +1,6 @@
 """Running reductions of the chunked PyTorch head: argmax and top-k, merged tile by tile.
 
-Design: `reference.lm_head_torch` walks the vocabulary in [R, C] logits tiles; each tile is
+Design: `lm_head_torch.lm_head_torch` walks the vocabulary in [R, C] logits tiles; each tile is
 merged into per-row running state with the head's tie rule (lower id first). The running
 argmax searches a tile's index only in the rows whose max grew; the running top-k keeps each
 row's k best (value, id) pairs and reports which tile entries became candidates and which

@@ -25,7 +25,7 @@ Semantics (both implementations follow them; this module defines them)
 Design
     Vocab chunks of C columns (`choose_chunk`), each over row blocks of R rows
     (`choose_row_block`; on CUDA R = N). Per [R, C] tile: GEMM, scale/softcap in place, then
-    the running max / argmax / top-k merges (`_reference_running`), draft columns into an
+    the running max / argmax / top-k merges (`_torch_running`), draft columns into an
     fp32 [N, Vd] buffer, and exp(tile - running max) into a float64 running sum rescaled
     whenever the max grows, only where needed: every tile for lse / logprobs / top-k, else
     the draft tiles alone (a tile costs its GEMM and one max). Draft-first order (draft
@@ -60,8 +60,8 @@ import torch
 
 from ._common import HeadOutput, HeadRequest, empty_output, phase
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
-from ._reference_draft import draft_log_softmax, draft_topk_outputs
-from ._reference_running import RunningTopK, update_argmax
+from ._torch_draft import draft_log_softmax, draft_topk_outputs
+from ._torch_running import RunningTopK, update_argmax
 
 # CPU tiling: a [R, C] fp32 logits tile of 4 MiB (R = 1024 rows at C = 1024) and an fp32
 # weight chunk [C, H] of at most 4 MiB (C = 1024 columns up to H = 1024). Time barely depends on
@@ -163,7 +163,7 @@ def normalize(
 
 
 # ----------------------------------------------------------------------------------------------
-# The chunked reference
+# The chunked PyTorch path
 # ----------------------------------------------------------------------------------------------
 
 # (device type, dtype) -> whether torch.mm(..., out_dtype=torch.float32) works there; probed once.
