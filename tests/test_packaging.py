@@ -147,6 +147,22 @@ def test_lock_pins_every_package_and_excludes_cuda_multimedia():
     assert not names & {"torchvision", "torchaudio", "torchcodec"}
 
 
+def test_trainer_packages_are_pinned_and_never_imported_by_the_package():
+    # SpecForge and speculators are test-only (their metadata pins another torch / sglang): the lock
+    # holds them for the format tests, and no module of eagle_fast or kernels may import them.
+    import ast
+
+    lock = (REPO / "requirements" / "cpu.lock").read_text().split()
+    assert {"specforge==0.2.0", "speculators==0.9.0"} <= set(lock)
+    offenders = []
+    for path in sorted((REPO / "eagle_fast").rglob("*.py")) + sorted((REPO / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0] in ("specforge", "speculators")]
+    assert not offenders, offenders
+
+
 def test_all_lists_the_lazy_exports():
     import eagle_fast
 
