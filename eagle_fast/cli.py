@@ -101,11 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="three decoder-layer indices (NeMo AutoModel's convention); default low/mid/high")
     p.add_argument("--supervision", choices=("draft", "draft-topk", "topk", "lse", "logits", "hidden"), default=None,
                    help="what to store (default: draft with --draft-vocab, else topk; nemo: draft; "
-                        "speculators: hidden). draft-topk: the sparse draft target, the k most "
+                        "speculators, specforge: hidden). draft-topk: the sparse draft target, the k most "
                         "likely draft ids with their log-probs and the draft mass outside them")
     p.add_argument("--k", type=int, default=64,
                    help="top-k width for --supervision topk / draft-topk (default 64)")
-    p.add_argument("--draft-vocab", default=None, metavar="FILE", help="d2t/t2d file from `eagle-fast vocab`")
+    p.add_argument("--draft-vocab", default=None, metavar="FILE",
+                   help="d2t/t2d file from `eagle-fast vocab` (nemo, speculators, specforge: also written "
+                        "in the trainer's own vocabulary format)")
     _add_data_args(p)
     p.add_argument("--batch-tokens", type=int, default=16384, help="token budget per engine call (default 16384)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
@@ -115,11 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-dtype", choices=("auto", "fp8"), default="auto",
                    help="stored dtype of the aux hidden states (and of --supervision hidden's final hidden): "
                         "auto = the target dtype (default); fp8 = float8_e4m3fn with one fp32 scale per "
-                        "token, about half of bf16's bytes (native and speculators formats)")
+                        "token, about half of bf16's bytes (native and speculators formats; speculators "
+                        "quantizes the final slot its trainer computes targets from too)")
     p.add_argument("--shard", default=None, metavar="I/N", help="this node's slice of N (merge with `eagle-fast merge`)")
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard file (default 256)")
-    p.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators"), default="native",
-                   help="on-disk layout (default native)")
+    p.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators", "specforge"),
+                   default="native",
+                   help="on-disk layout (default native); nemo, speculators, specforge: read by that "
+                        "trainer's own offline loader (README: 'Training with ...')")
     p.add_argument("--ray", action="store_true",
                    help="run the shards on Ray actors (needs `pip install 'eagle-fast[ray]'`); same bytes")
     p.add_argument("--ray-workers", type=int, default=None, metavar="N",

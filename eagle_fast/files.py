@@ -54,15 +54,17 @@ def commit_temp(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, tag: str = "") -> Path:
+    """Write `data` to `path` through its temp file (`temp_path_for(path, tag)`); returns `path`."""
     final = Path(path)
-    tmp = temp_path_for(final)
+    tmp = temp_path_for(final, tag)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
     fsync_dir(final.parent)
+    return final
 
 
 def canonical_json(obj: Any) -> str:

@@ -139,7 +139,7 @@ def fmt_bytes(n: float) -> str:
 def resolve_kind(cfg: ExtractConfig, have_draft: bool) -> str:
     kind = cfg.supervision
     if kind is None:
-        kind = {"nemo": "draft", "speculators": "hidden"}.get(cfg.layout) or ("draft" if have_draft else "topk")
+        kind = {"nemo": "draft", "speculators": "hidden", "specforge": "hidden"}.get(cfg.layout) or ("draft" if have_draft else "topk")
     if kind not in KINDS:
         raise UserError(f"--supervision {kind!r} is not one of {', '.join(KINDS)}", "pick one of them")
     return kind

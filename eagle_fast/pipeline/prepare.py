@@ -53,8 +53,15 @@ from eagle_fast.store.manifest import (
 )
 from eagle_fast.store.nemo import nemo_manifest_fields, write_target_embeddings
 from eagle_fast.store.safetensors import write_safetensors
-from eagle_fast.store.speculators import write_speculators_arrow
+from eagle_fast.store.specforge import VOCAB_MAPPING, write_vocab_mapping
+from eagle_fast.store.speculators import vocab_file_names, write_speculators_arrow, write_speculators_vocab
 from eagle_fast.vocab import DraftVocab, load_draft_vocab
+
+
+# Formats whose trainer reads the draft vocabulary from the dataset directory, so --draft-vocab
+# applies to them whatever they store (nemo: selected_token_ids; speculators: d2t/t2d .npy;
+# specforge: its vocab mapping file).
+TRAINER_VOCAB_LAYOUTS = ("nemo", "speculators", "specforge")
 
 
 @dataclass
@@ -88,8 +95,8 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     part = parse_shard(cfg.shard)
     info = load_model_info(cfg.model)
     aux = parse_aux_layers(cfg.aux_layers, info.num_hidden_layers)
-    if cfg.layout == "speculators":
-        aux = sorted(aux)  # vLLM / speculators store capture slots in ascending layer order
+    if cfg.layout in ("speculators", "specforge"):
+        aux = sorted(aux)  # both trainers' files hold the aux layers in ascending layer order
     dtype = SHORT_NAMES[cfg.dtype]
     out_dtype = SHORT_NAMES[cfg.out_dtype]
     draft = load_draft_vocab(cfg.draft_vocab, info.vocab_size) if cfg.draft_vocab else None
@@ -106,9 +113,9 @@ def prepare(cfg: ExtractConfig) -> Prepared:
         raise UserError(f"--k {cfg.k} is out of range for the draft vocabulary of {draft.size} ids "
                         f"({cfg.draft_vocab})", f"pass 1 <= k <= {draft.size}")
     cfg = replace(cfg, max_len=resolve_max_len(cfg.max_len, info.max_positions))
-    if draft is not None and not (kind in ("draft", "draft-topk") or cfg.layout == "nemo"):
+    if draft is not None and not (kind in ("draft", "draft-topk") or cfg.layout in TRAINER_VOCAB_LAYOUTS):
         raise UserError(f"--draft-vocab only applies to --supervision draft / draft-topk (or --format "
-                        f"nemo), not {kind}",
+                        f"nemo, speculators, specforge), not {kind}",
                         "drop --draft-vocab, or use --supervision draft")
     engine = resolve_engine(cfg.engine, info)
     tok = LazyTokenizer(cfg.model)
@@ -269,8 +276,7 @@ def clean_temps(p: Prepared) -> None:
     for s in p.pending:
         names += p.layout.shard_paths(s)
     tmps = [temp_path_for(p.root / rel) for rel in names]
-    tmps += [temp_path_for(p.root / rel, _part_tag(p))
-             for rel in ("draft_vocab.safetensors", "target_embeddings.safetensors")]
+    tmps += [temp_path_for(p.root / rel, _part_tag(p)) for rel in _extra_file_names(p)]
     for tmp in tmps:
         if tmp.exists():
             tmp.unlink()
@@ -293,21 +299,37 @@ def write_manifest(p: Prepared) -> None:
         atomic_write_json(p.root / name, m)
 
 
+def _extra_file_names(p: Prepared) -> list[str]:
+    """The sidecar files this directory gets (`write_extra_files`)."""
+    names = ["draft_vocab.safetensors", "target_embeddings.safetensors"]
+    if p.draft_ids is not None and p.layout.name == "speculators":
+        names += list(vocab_file_names(int(p.draft_ids.numel())))
+    if p.draft_ids is not None and p.layout.name == "specforge":
+        names.append(VOCAB_MAPPING)
+    return names
+
+
 def write_extra_files(p: Prepared) -> None:
-    """Sidecar files written once per directory: the draft vocabulary, NeMo's embeddings."""
+    """Sidecar files written once per directory: the draft vocabulary (ours, and in the trainer's
+    own format for speculators and SpecForge), NeMo's embeddings."""
 
     have = {f["path"] for f in p.manifest.get("extra_files", [])
             if check_file_cheap(p.root, f) is None}
     extra = [f for f in p.manifest.get("extra_files", []) if f["path"] in have]
-    if p.draft_ids is not None and "draft_vocab.safetensors" not in have:
-
-        v = DraftVocab(p.draft_ids, p.info.vocab_size)
+    tag = _part_tag(p)
+    v = DraftVocab(p.draft_ids, p.info.vocab_size) if p.draft_ids is not None else None
+    if v is not None and "draft_vocab.safetensors" not in have:
         path = write_safetensors(p.root / "draft_vocab.safetensors", {
             "d2t": v.d2t(), "t2d": v.t2d(), "selected_token_ids": v.ids.clone(),
-            "target_vocab_size": torch.tensor([v.target_vocab_size], dtype=torch.int64)}, tag=_part_tag(p))
+            "target_vocab_size": torch.tensor([v.target_vocab_size], dtype=torch.int64)}, tag=tag)
         extra.append(file_record(path, p.root))
+    if v is not None and p.layout.name == "speculators" and not set(vocab_file_names(v.size)) <= have:
+        extra = [f for f in extra if f["path"] not in vocab_file_names(v.size)]
+        extra += write_speculators_vocab(p.root, v.d2t(), v.t2d(), tag=tag)
+    if v is not None and p.layout.name == "specforge" and VOCAB_MAPPING not in have:
+        extra.append(write_vocab_mapping(p.root, v.d2t(), v.t2d(), tag=tag))
     if p.layout.name == "nemo" and "target_embeddings.safetensors" not in have:
-        extra.append(write_target_embeddings(p.root, p.cfg.model, tag=_part_tag(p)))
+        extra.append(write_target_embeddings(p.root, p.cfg.model, tag=tag))
     p.manifest["extra_files"] = sorted(extra, key=lambda f: f["path"])
 
 

@@ -248,7 +248,7 @@ def supervise_batch(runner, samples: list[SamplePlan], caps: list, layout: Layou
              "loss_mask": torch.tensor(s.loss_mask, dtype=torch.bool),
              "aux_hidden_states": aux.detach().cpu()}
         if layout.needs_final_hidden():
-            r["hidden"] = final.detach().cpu()
+            r["hidden"] = layout.final_hidden(runner.head, final.detach()).cpu()
         results.append(r)
     outputs = layout.head_outputs()
     if outputs is None:

@@ -2,7 +2,8 @@
 
 `manifest` (the dataset's source of truth, atomic writes, checksums), `safetensors` (a
 preallocated file filled row block by row block), the layouts (`layouts`: native; `nemo`:
-NeMo AutoModel's offline cache; `speculators`: vLLM speculators' hidden-state files) and
+NeMo AutoModel's offline cache; `speculators`: vLLM speculators' hidden-state files;
+`specforge`: SpecForge's per-sample .ckpt features) and
 `dataset` (the PyTorch reader). This module picks a layout by name and (de)serialises its
 spec for the manifest.
 """
@@ -12,12 +13,14 @@ from __future__ import annotations
 from eagle_fast.dtypes import SHORT_NAMES, short_name
 from eagle_fast.store.layouts import Layout, LayoutSpec, NativeLayout
 from eagle_fast.store.nemo import NemoLayout
+from eagle_fast.store.specforge import SpecForgeLayout
 from eagle_fast.store.speculators import SpeculatorsLayout
 
 
 def make_layout(spec: LayoutSpec) -> Layout:
     """The layout object that writes and reads datasets of `spec.layout`."""
-    return {"native": NativeLayout, "nemo": NemoLayout, "speculators": SpeculatorsLayout}[spec.layout](spec)
+    return {"native": NativeLayout, "nemo": NemoLayout, "speculators": SpeculatorsLayout,
+            "specforge": SpecForgeLayout}[spec.layout](spec)
 
 
 def spec_from_manifest(m: dict) -> LayoutSpec:

@@ -12,7 +12,8 @@ Native layout samples hold `input_ids` int64 [T], `loss_mask` bool [T], `aux_hid
 `topk_logprobs` + `topk_tail`, or `logits`; `argmax` always, `lse` with all but draft-topk; or
 `hidden`, the pre-norm final hidden state), row t being the target's output after tokens
 0..t. `target_p(i, tail)` (or `Eagle3Dataset(dir, target_p="spread")`, which adds it to every
-sample) gives the dense draft distribution, rebuilt from the sparse fields where stored so. The nemo and speculators layouts yield their stored per-sample tensors
+sample) gives the dense draft distribution, rebuilt from the sparse fields where stored so. The nemo,
+speculators and specforge layouts yield their stored per-sample tensors
 as their own readers would (use NeMo's `CachedEagle3Dataset` for NeMo training).
 Hidden states stored in fp8 (`--aux-dtype fp8`) are dequantised on read (`store/fp8.py`) to the
 target's dtype, or to `aux_dtype` when given (which also casts non-fp8 ones); their scale
@@ -176,7 +177,7 @@ class Eagle3Dataset(Dataset):
             return int(off[1] - off[0])
         if self.layout.name == "nemo":
             return int(self.raw(index)["attention_mask"].sum())
-        return int(self.raw(index)["token_ids"].numel())
+        return int(self.raw(index)["token_ids" if self.layout.name == "speculators" else "input_ids"].numel())
 
     def sample_plan(self, index: int) -> SamplePlan:
         """The tokenised input of sample `index` (what the engine was given)."""
@@ -187,6 +188,8 @@ class Eagle3Dataset(Dataset):
             ids, mask = t["input_ids"], t["loss_mask"]
         elif self.layout.name == "speculators":
             ids, mask = t["token_ids"], t["loss_mask"]
+        elif self.layout.name == "specforge":
+            ids, mask = t["input_ids"], t["loss_mask"]
         else:
             n = int(t["attention_mask"].sum())
             first = torch.tensor([int(rec["first_tokens"][local])], dtype=torch.int64)

@@ -6,7 +6,7 @@ q.float() * scale. This is hs_connectors 0.9.0's `quantize_tensor_to_fp8` bit fo
 layout speculators' FP8Transfer reads); its 1e-12 floor keeps an all-zero token finite (q = 0,
 so it reads back as exact zeros). `error_bound` is the round-to-nearest bound of 3 mantissa
 bits. `SCALE_NAMES` pairs every field that may be stored in fp8 with its scale field.
-Limits: NeMo AutoModel's cache reader cannot take fp8 (`check_aux_dtype` refuses it).
+Limits: NeMo AutoModel's and SpecForge's readers cannot take fp8 (`check_aux_dtype` refuses it).
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ def check_aux_dtype(layout: str, aux_dtype: str) -> None:
             "aux_hidden_states as stored, without a scale, and its trainer feeds them to the draft's "
             "fc layer as they are (a float8 tensor fails there; dropping the scales would be wrong values)",
             "drop --aux-dtype fp8 for --format nemo, or use --format native or speculators for fp8",
+        )
+    if layout == "specforge" and aux_dtype == "fp8":
+        raise UserError(
+            "--format specforge cannot store --aux-dtype fp8: SpecForge 0.2.0 has no fp8 reader (its "
+            "offline loader feeds the stored tensors to the draft as they are; gzip is its only compression)",
+            "drop --aux-dtype fp8 for --format specforge, or use --format speculators or native for fp8",
         )
 
 

@@ -32,7 +32,7 @@ from eagle_fast.store.fp8 import FP8, SCALE_NAMES, quantize, stored_dtype
 from eagle_fast.store.manifest import file_record
 from eagle_fast.store.safetensors import SafetensorsWriter, open_safetensors
 
-LAYOUTS = ("native", "nemo", "speculators")
+LAYOUTS = ("native", "nemo", "speculators", "specforge")
 KINDS = ("draft", "draft-topk", "topk", "lse", "logits", "hidden")
 
 
@@ -83,10 +83,11 @@ def validate_layout_kind(layout: str, kind: str) -> None:
             "use --supervision draft (full draft distribution) or topk (NeMo's top-k "
             "compressed target_probs), or --format native",
         )
-    if layout == "speculators" and kind != "hidden":
+    if layout in ("speculators", "specforge") and kind != "hidden":
         raise UserError(
-            f"--format speculators stores hidden states only, not --supervision {kind}",
-            "use --supervision hidden with --format speculators, or --format native",
+            f"--format {layout} stores hidden states only (its trainer applies the LM head), "
+            f"not --supervision {kind}",
+            f"use --supervision hidden with --format {layout}, or --format native",
         )
 
 
@@ -110,6 +111,11 @@ class Layout:
 
     def needs_final_hidden(self) -> bool:
         return False
+
+    def final_hidden(self, head, final: torch.Tensor) -> torch.Tensor:
+        """The final hidden state [T, H] this layout stores, from the pre-norm one the engine
+        captured (`head`: the target's `TargetHead`). Default: as captured, before the norm."""
+        return final
 
     # per sample
     def fields(self) -> dict[str, dict]:

@@ -6,22 +6,26 @@ them) and token_ids int64 [T], plus our loss_mask bool [T]. With --aux-dtype fp8
 hs_connectors 0.9.0's FP8 layout (what its FP8HiddenStatesConnector writes and FP8Transfer
 reads): hidden_states float8_e4m3fn [T, 4, H] + hidden_states_scales fp32 [T, 1, 1], one
 scale per token over all four slots. When `datasets` is importable the
-finished directory also holds the Arrow table (input_ids, loss_mask, seq_len) that
-speculators' ArrowDataset loads from the same path.
+finished directory also holds the Arrow table (input_ids, loss_mask, seq_len; saved with the
+"torch" format, which its ArrowDataset needs) that speculators' ArrowDataset loads from the same
+path. With a draft vocabulary, d2t-{N}.npy (int64 offsets) and t2d-{N}.npy (bool [V]) sit beside
+it, the names its trainer finds by --draft-vocab-size N.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
 from eagle_fast.dtypes import long_name
-from eagle_fast.files import fsync_dir
+from eagle_fast.files import atomic_write_bytes, fsync_dir
 from eagle_fast.inputs import ShardPlan
 from eagle_fast.store.fp8 import quantize, stored_dtype
 from eagle_fast.store.layouts import Layout, ShardSink
@@ -136,3 +140,20 @@ def write_speculators_arrow(root: Path, samples: list[tuple[list[int], list[int]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return True
+
+
+def vocab_file_names(draft_size: int) -> tuple[str, str]:
+    """speculators' default vocabulary file names for a draft of `draft_size` ids: (d2t, t2d)."""
+    return f"d2t-{draft_size}.npy", f"t2d-{draft_size}.npy"
+
+
+def write_speculators_vocab(root: Path, d2t: torch.Tensor, t2d: torch.Tensor, tag: str = "") -> list[dict]:
+    """d2t-{N}.npy (int64 [N]: target id = i + d2t[i]) and t2d-{N}.npy (bool [V]), atomically;
+    their manifest records."""
+    records = []
+    for name, array in zip(vocab_file_names(int(d2t.numel())),
+                           (d2t.to(torch.int64).numpy(), t2d.to(torch.bool).numpy())):
+        buf = io.BytesIO()
+        np.save(buf, array)
+        records.append(file_record(atomic_write_bytes(root / name, buf.getvalue(), tag), root))
+    return records
