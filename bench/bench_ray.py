@@ -22,7 +22,6 @@ Limits
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -33,8 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
+
+NAME = "ray"  # results: ray-cpu.json
 
 SAMPLES = int(os.environ.get("EAGLE_FAST_BENCH_RAY_SAMPLES", "32"))
 MEAN_LEN = int(os.environ.get("EAGLE_FAST_BENCH_RAY_LEN", "256"))
@@ -47,12 +47,13 @@ MODES = {"plain": [], "ray-1": ["--ray", "--ray-workers", "1", "--ray-cpus-per-w
          "ray-2": ["--ray", "--ray-workers", "2", "--ray-cpus-per-worker", "1"]}
 
 
-def _digest(out: Path) -> dict:
+def dataset_sha256(out: Path) -> str:
+    """One hash of a dataset: its shard files' bytes and its manifest but for `runs`."""
     files = {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
              for p in sorted(out.rglob("*")) if p.is_file() and not p.name.startswith("manifest")}
     manifest = json.loads((out / "manifest.json").read_text())
     manifest.pop("runs")
-    return {"files": files, "manifest": hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()}
+    return hashlib.sha256(json.dumps({"files": files, "manifest": manifest}, sort_keys=True).encode()).hexdigest()
 
 
 def _run_mode(mode: str, batch: int, model: Path, data: Path, work: Path, max_len: int) -> dict:
@@ -76,12 +77,12 @@ def _run_mode(mode: str, batch: int, model: Path, data: Path, work: Path, max_le
     run = json.loads((out / "manifest.json").read_text())["runs"][-1]
     rec.update({"status": "ok", "tokens": run["tokens"], "loop_s": run["seconds"], "build_s": run["build_seconds"],
                 "tokens_per_s": run["tokens"] / run["seconds"], "ray_workers": run.get("ray_workers"),
-                "digest": _digest(out)})
+                "dataset_sha256": dataset_sha256(out)})
     shutil.rmtree(out, ignore_errors=True)
     return rec
 
 
-def run(out_dir: Path | None = None) -> dict:
+def run(args) -> dict:
     import bench_pipeline
     import bench_runner  # the tiny checkpoint lives there (one definition, one cache)
 
@@ -104,24 +105,19 @@ def run(out_dir: Path | None = None) -> dict:
                       else r["status"][:300]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    verdicts = evaluate(records)
-    for r in records:
-        r.pop("digest", None)
     out = {"benchmark": "ray", "environment": env,
            "setup": {"model": "tiny Qwen3 (random), V=151,936, H=256, 4 layers, bf16", "engine": "hf",
                      "samples": SAMPLES, "tokens": tokens, "shard_size": SHARD_SIZE, "supervision": "lse",
                      "batch_tokens": list(BATCHES),
                      "local_ray": "2 CPUs; 1 CPU and 1 torch thread per worker; plain: OMP_NUM_THREADS=1"},
-           "targets": verdicts.lines, "records": records, "wall_s": time.perf_counter() - t_start}
-    if out_dir is not None:
-        H.write_json(Path(out_dir) / "ray-cpu.json", out)
+           "records": records, "wall_s": time.perf_counter() - t_start}
     return out
 
 
-def evaluate(records: list) -> H.Verdicts:
-    v = H.Verdicts()
+def verdicts(results: dict) -> H.Verdicts:
+    records, v = results["records"], H.Verdicts()
     ok = [r for r in records if r["status"] == "ok"]
-    same = {b: {json.dumps(r["digest"], sort_keys=True) for r in ok if r["batch_tokens"] == b} for b in BATCHES}
+    same = {b: {r["dataset_sha256"] for r in ok if r["batch_tokens"] == b} for b in BATCHES}
     v.check("ray: plain, ray-1 and ray-2 datasets are byte-identical at each batch size (manifest but for `runs`)",
             all(len(d) == 1 for d in same.values()) and len(ok) == len(records),
             f"{len(ok)}/{len(records)} runs ok; distinct datasets per batch size: "
@@ -141,28 +137,11 @@ def evaluate(records: list) -> H.Verdicts:
     return v
 
 
-try:
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None
-
-if pytest is not None:
-    def test_ray(benchmark):
-        pytest.importorskip("ray")
-        out = benchmark.pedantic(lambda: run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR))),
-                                 rounds=1, iterations=1)
-        benchmark.group = "ray"
-        errors = [f"{r['mode']}: {r['status']}" for r in out["records"] if r["status"] != "ok"]
-        assert not errors, errors
+def errors(results: dict) -> list[str]:
+    return [f"{r['mode']} batch {r['batch_tokens']}: {r['status']}" for r in results["records"] if r["status"] != "ok"]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
-    args = ap.parse_args(argv)
-    out = run(args.out)
-    return 1 if any(r["status"] != "ok" for r in out["records"]) else 0
-
+test_ray = H.pytest_case(__name__, needs="ray")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(sys.modules[__name__]))

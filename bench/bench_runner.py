@@ -25,8 +25,9 @@ What it does
 
 Design
     One engine serves every method, so engine noise hits all alike; rounds are interleaved
-    (`_harness.SideBySide`). The seed's head is NeMo's `_compute_logits` math verbatim on our
-    capture (the capture path is the same vLLM mechanism the seed uses). Row lengths run from S
+    (`_harness.SideBySide`). The seed's head is NeMo AutoModel's own code (its
+    `VLLMTargetRunner` weight loading and `_compute_logits`, its `_compute_target_distribution`:
+    nemo_automodel is required) on our capture (the same vLLM mechanism the seed uses). Row lengths run from S
     down to S/2 in equal steps (78 % of B*S are real tokens); the seed pays for the pads, as it
     does in real use.
 
@@ -38,18 +39,17 @@ Limits
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _floor
 import _harness as H
 import shapes
+import torch
+
+NAME = "runner"  # results: runner-<device>.json
 
 B = int(os.environ.get("EAGLE_FAST_BENCH_RUNNER_B", "8"))
 S = int(os.environ.get("EAGLE_FAST_BENCH_RUNNER_S", "1024"))
@@ -98,41 +98,33 @@ def draft_vocab(vocab: int = VOCAB, seed: int = 0):
     return ids, mask
 
 
-def nemo_target_distribution():
-    """NeMo AutoModel's own draft projection, or an exact copy when it is not installed."""
-    try:
-        from nemo_automodel.components.speculative.eagle.core import _compute_target_distribution
-
-        return _compute_target_distribution, "nemo_automodel"
-    except Exception:  # noqa: BLE001 - any import failure means "not available here"
-        def _compute_target_distribution(target_logits, selected_token_ids, selected_token_mask, loss_mask):
-            target_top_ids = target_logits.argmax(dim=-1)
-            position_mask = (selected_token_mask[target_top_ids] & loss_mask.bool()).unsqueeze(-1)
-            draft = target_logits.index_select(dim=-1, index=selected_token_ids.to(target_logits.device))
-            return torch.softmax(draft.float(), dim=-1).detach(), position_mask
-
-        return _compute_target_distribution, "inline copy of nemo_automodel 0.7.0"
-
-
 class SeedMethod:
-    """NeMo's VLLMTargetRunner head, verbatim math: fp32 norm, fp32 [H, V] head copy made once."""
+    """The seed's method: NeMo AutoModel's own `VLLMTargetRunner` head on our runner's capture.
 
-    def __init__(self, runner):
-        head = runner.head
-        self.eps = head.spec.eps
-        self.norm_w = head.norm_weight.float()
-        self.lm_head_w = head.lm_head_weight.float().t().contiguous()  # load-time, resident
-        self.runner = runner
+    NeMo's code does the work: `_load_target_head_weights` reads the head from the checkpoint,
+    `_ensure_weights_loaded` keeps the fp32 norm and the fp32 [H, V] head copy (load-time,
+    resident), and `_compute_logits` applies them. Its `__init__` wants CUDA (a device marker)
+    and `set_aux_layers` builds NeMo's own engine, so the instance is made without them and
+    given the fields its head reads, from the checkpoint's config as `__init__` reads them.
+    The capture is ours: the same vLLM mechanism, fed every row in full as the seed feeds it.
+    """
+
+    def __init__(self, runner, model_path: Path):
+        from nemo_automodel.components.speculative.eagle.vllm_runner import (
+            VLLMTargetRunner as NeMoRunner,
+        )
+        from transformers import AutoConfig
+
+        nemo = NeMoRunner.__new__(NeMoRunner)
+        nemo._model_path = str(model_path)
+        nemo._rms_eps = float(getattr(AutoConfig.from_pretrained(model_path), "rms_norm_eps", 1e-6))
+        nemo._embed_w = nemo._norm_w = nemo._lm_head_w = None
+        nemo._ensure_weights_loaded(torch.device("cpu"))
+        self.nemo, self.runner = nemo, runner
 
     @property
     def resident_bytes(self) -> int:
-        return self.lm_head_w.numel() * 4 + self.norm_w.numel() * 4
-
-    def _compute_logits(self, final_hidden):
-        x = final_hidden.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = x * self.norm_w
-        return x @ self.lm_head_w
+        return self.nemo._lm_head_w.numel() * 4 + self.nemo._norm_w.numel() * 4
 
     @torch.no_grad()
     def forward_eagle3(self, input_ids, attention_mask):
@@ -140,10 +132,10 @@ class SeedMethod:
         captures = self.runner.capture([row.tolist() for row in input_ids])
         aux = torch.stack([a for a, _ in captures])
         final = torch.stack([f for _, f in captures])
-        return self._compute_logits(final), aux
+        return self.nemo._compute_logits(final), aux
 
 
-def run(out_dir: Path | None = None, benchmark=None) -> dict:
+def run(args) -> dict:
     from eagle_fast import VLLMTargetRunner
 
     H.return_freed_memory()
@@ -154,7 +146,9 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
     input_ids, mask = make_batch()
     draft_ids, draft_mask = draft_vocab()
     n_real = int(mask.sum())
-    project, project_src = nemo_target_distribution()
+    from nemo_automodel.components.speculative.eagle.core import (
+        _compute_target_distribution as project,
+    )
     seqs = [row[: int(m.sum())].tolist() for row, m in zip(input_ids, mask)]
     full_rows = [row.tolist() for row in input_ids]
 
@@ -163,7 +157,7 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
     try:
         runner.set_aux_layers(AUX_LAYER_IDS)
         t_engine = time.perf_counter() - t0
-        seed = SeedMethod(runner)
+        seed = SeedMethod(runner, path)
         # The floor's GEMM time does not depend on the values: random y of the non-pad shape.
         y = torch.randn(n_real, runner.head.hidden_size, generator=torch.Generator().manual_seed(0))
         floor = _floor.BareGemm(y.to(runner.head.lm_head_weight.dtype), runner.head.lm_head_weight,
@@ -196,10 +190,10 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
         out_bytes = {n: (t.result or {}).get("_output_bytes") for n, t in sbs.timings.items()}
         real_bytes = {n: (t.result or {}).get("_real_output_bytes") for n, t in sbs.timings.items()}
         sbs.drop_results()
-        if benchmark is not None:
+        if args.benchmark is not None:
             counter = iter(range(10**9))
-            benchmark.group = f"runner B={B} S={S}"
-            benchmark.pedantic(lambda: sbs.round(next(counter)), rounds=ROUNDS[1], iterations=1)
+            args.benchmark.group = f"runner B={B} S={S}"
+            args.benchmark.pedantic(lambda: sbs.round(next(counter)), rounds=ROUNDS[1], iterations=1)
         else:
             for i in range(ROUNDS[1]):
                 sbs.round(i)
@@ -230,17 +224,13 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
             rec["floor_kind"] = _floor.floor_kind(env["device"], runner.head.lm_head_weight.dtype)
             rec["tokens_per_s"] = rec["head_share"] = None  # not the runner's work
         records.append(rec)
-    verdicts = evaluate(records)
     out = {"benchmark": "runner", "environment": env,
            "setup": {"model": "tiny Qwen3 (random)", "spec": tiny_spec().__dict__, "batch": B, "seq": S,
                      "real_tokens": n_real, "padded_tokens": B * S, "aux_layer_ids": AUX_LAYER_IDS,
-                     "draft_vocab": int(draft_ids.numel()), "draft_projection": project_src,
+                     "draft_vocab": int(draft_ids.numel()), "draft_projection": f"nemo_automodel {H.package_version('nemo_automodel')}",
                      "seed_resident_bytes": seed.resident_bytes, "checkpoint_build_s": t_ckpt,
                      "engine_start_s": t_engine},
-           "cross_check": check, "targets": verdicts.lines, "records": records,
-           "wall_s": time.perf_counter() - t_start}
-    if out_dir is not None:
-        H.write_json(Path(out_dir) / f"runner-{env['device']}.json", out)
+           "cross_check": check, "records": records, "wall_s": time.perf_counter() - t_start}
     for r in records:
         tps = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] else "-"
         hs = f"{100 * r['head_share']:.0f}%" if r["head_share"] is not None else "-"
@@ -300,8 +290,8 @@ def _vs_floor(r: dict) -> str:
     return f"{r['head_vs_floor']:.2f}x" if r.get("head_vs_floor") else "(not measured) vs"
 
 
-def evaluate(records: list) -> H.Verdicts:
-    v = H.Verdicts()
+def verdicts(results: dict) -> H.Verdicts:
+    records, v = results["records"], H.Verdicts()
     by = {r["method"]: r for r in records}
     seed, fe3 = by.get("seed-forward_eagle3"), by.get("forward_eagle3")
     where = f"tiny Qwen3 V={VOCAB}, B={B}, S={S}"
@@ -341,32 +331,20 @@ def evaluate(records: list) -> H.Verdicts:
     return v
 
 
-try:
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None
-
-if pytest is not None:
-    def test_runner(benchmark):
-        pytest.importorskip("vllm")
-        out = run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR)), benchmark=benchmark)
-        benchmark.extra_info.update({r["method"]: {"tokens_per_s": r["tokens_per_s"],
-                                                   "peak_extra_bytes": r["peak_extra_bytes"]}
-                                     for r in out["records"]})
-        errors = [f"{r['method']}: {r['status']}" for r in out["records"] if r["status"].startswith("error")]
-        assert not errors, errors
-        chk = out["cross_check"]
-        assert "error" not in chk, chk
-        assert chk["supervision_argmax_agree"] >= 0.98, chk
+def errors(results: dict) -> list[str]:
+    """A method that failed, or a fast path whose argmax disagrees with the seed's."""
+    errs = [f"{r['method']}: {r['status']}" for r in results["records"] if r["status"].startswith("error")]
+    chk = results["cross_check"]
+    if "error" in chk or chk.get("supervision_argmax_agree", 0) < 0.98:
+        errs.append(f"cross-check against the seed's method: {chk}")
+    return errs
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
-    args = ap.parse_args(argv)
-    out = run(args.out)
-    return 1 if any(r["status"].startswith("error") for r in out["records"]) else 0
+def result_name(args) -> str:
+    return f"runner-{'cuda' if torch.cuda.is_available() else 'cpu'}"
 
+
+test_runner = H.pytest_case(__name__, needs="vllm", rounds_in_run=True)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(sys.modules[__name__]))

@@ -48,11 +48,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
+import torch
 from bench_runner import VOCAB, draft_vocab, tiny_checkpoint, tiny_spec
+
+NAME = "serve"  # results: serve-cpu.json
+# the processes the benchmark starts (this file again, with one of these)
+OPTIONS = [H.option("--client", action="store_true", help=argparse.SUPPRESS),
+           H.option("--inproc", default=None, help=argparse.SUPPRESS),
+           H.option("--nemo-server", nargs=2, metavar=("MODEL", "PORT"), help=argparse.SUPPRESS),
+           H.option("--wire-server", nargs=2, type=int, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)]
+ENTRIES = {"wire_server": lambda args: wire_server_main(*args.wire_server),
+           "client": lambda args: client_main(args.inproc),
+           "nemo_server": lambda args: nemo_server_main(args.nemo_server[0], int(args.nemo_server[1]))}
 
 REQ_B = int(os.environ.get("EAGLE_FAST_BENCH_SERVE_B", "2"))
 REQ_S = int(os.environ.get("EAGLE_FAST_BENCH_SERVE_S", "1024"))
@@ -101,17 +109,17 @@ def mapping():
 
 
 # -- the processes ------------------------------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _spawn(args: list[str], **kw) -> subprocess.Popen:
+def spawn(args: list[str], **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *args], env={**os.environ, **ENV}, **kw)
 
 
-def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     import requests
 
     t0 = time.monotonic()
@@ -147,7 +155,7 @@ def wire_server_main(port: int, nbytes: int) -> None:
     """A bare uvicorn app with our server's malloc settings: POST /{framing}/{piece} answers
     `nbytes` zero bytes in pieces of `piece` bytes, with a Content-Length ("length") or chunked
     (uvicorn frames each piece, joining it with its size line into a new bytes object); GET
-    /health for `_wait_up`."""
+    /health for `wait_up`."""
     import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
@@ -180,10 +188,10 @@ def wire_cost(nbytes: int, rounds: int = 15) -> dict:
     process); the variants interleaved `rounds` times, the median of each."""
     import requests
 
-    port = _free_port()
-    server = _spawn([__file__, "--wire-server", str(port), str(nbytes)])
+    port = free_port()
+    server = spawn([__file__, "--wire-server", str(port), str(nbytes)])
     try:
-        _wait_up(f"http://127.0.0.1:{port}", server, timeout=60)
+        wait_up(f"http://127.0.0.1:{port}", server, timeout=60)
         session = requests.Session()
         session.trust_env = False
         cpu = {name: {"client_cpu_s": [], "server_cpu_s": []} for name in WIRE_VARIANTS}
@@ -262,7 +270,7 @@ def client_main(inproc_model: str | None = None) -> None:
 class Clients:
     def __init__(self, n: int, inproc_model: str | None = None):
         extra = ["--inproc", inproc_model] if inproc_model else []
-        self.procs = [_spawn([__file__, "--client", *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.procs = [spawn([__file__, "--client", *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True) for _ in range(n)]
 
     def ask(self, index: int, cmd: dict) -> dict:
@@ -313,7 +321,7 @@ def _reset_hwm(pid: int) -> None:
 
 
 # -- the run ------------------------------------------------------------------------------------
-def run(out_dir: Path | None = None, benchmark=None) -> dict:
+def run(args) -> dict:
     import requests
     from nemo_automodel.components.speculative.eagle.remote.client import RemoteEagle3TargetModel
 
@@ -323,19 +331,19 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
     env = H.environment("cpu")
     model = str(tiny_checkpoint())
     sel, mask = mapping()
-    ours_port, nemo_port = _free_port(), _free_port()
+    ours_port, nemo_port = free_port(), free_port()
     ours_url, nemo_url = f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{nemo_port}"
-    ours = _spawn(["-m", "eagle_fast", "serve", "--model", model, "--engine", "hf", "--aux-layers",
+    ours = spawn(["-m", "eagle_fast", "serve", "--model", model, "--engine", "hf", "--aux-layers",
                    ",".join(map(str, AUX_LAYER_IDS)), "--port", str(ours_port), "--dtype", MODEL_DTYPE])
-    nemo = _spawn([__file__, "--nemo-server", model, str(nemo_port)])
+    nemo = spawn([__file__, "--nemo-server", model, str(nemo_port)])
     clients = Clients(CLIENTS)
     trainer = Clients(1, inproc_model=model)  # a trainer computing its own supervision
     runner = HFTargetRunner.build(model, dtype=TORCH_DTYPES[MODEL_DTYPE])  # for the cross-check only
     runner.set_aux_layers(AUX_LAYER_IDS)
     records, mem_series, check = {}, [], {}
     try:
-        _wait_up(ours_url, ours)
-        _wait_up(nemo_url, nemo)
+        wait_up(ours_url, ours)
+        wait_up(nemo_url, nemo)
         draft_ids = sel.sort().values
 
         def in_process(round_index: int) -> tuple[float, float, float]:
@@ -428,9 +436,6 @@ def run(out_dir: Path | None = None, benchmark=None) -> dict:
            "records": list(records.values()), "memory": memory, "cross_check": check,
            "wire": wire_cost(REQ_B * REQ_S * int(sel.numel()) * 4),
            "wall_s": time.perf_counter() - t_start}
-    out["targets"] = evaluate(out).lines
-    if out_dir is not None:
-        H.write_json(Path(out_dir) / "serve-cpu.json", out)
     return out
 
 
@@ -439,7 +444,7 @@ def _median(xs):
     return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else None
 
 
-def evaluate(out: dict) -> H.Verdicts:
+def verdicts(out: dict) -> H.Verdicts:
     v = H.Verdicts()
     by = {r["provider"]: r for r in out["records"]}
     tps = {k: r["median_tokens_per_s"] for k, r in by.items()}
@@ -488,41 +493,14 @@ def evaluate(out: dict) -> H.Verdicts:
     return v
 
 
-try:
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None
-
-if pytest is not None:
-    def test_serve(benchmark):
-        pytest.importorskip("nemo_automodel.components.speculative.eagle.remote.client")
-        out = benchmark.pedantic(lambda: run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR))),
-                                 rounds=1, iterations=1)
-        chk = out["cross_check"]
-        assert chk["served_vs_in_process_position_mask_equal"], chk
-        assert chk["served_vs_in_process_max_abs_probs"] < 1e-5, chk
+def errors(out: dict) -> list[str]:
+    """The served batch is the in-process one: same position mask, probabilities within 1e-5."""
+    chk = out["cross_check"]
+    ok = chk.get("served_vs_in_process_position_mask_equal") and chk.get("served_vs_in_process_max_abs_probs", 1) < 1e-5
+    return [] if ok else [f"served and in-process supervision differ: {chk}"]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
-    ap.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--inproc", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--nemo-server", nargs=2, metavar=("MODEL", "PORT"), help=argparse.SUPPRESS)
-    ap.add_argument("--wire-server", nargs=2, type=int, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)
-    a = ap.parse_args(argv)
-    if a.wire_server:
-        wire_server_main(*a.wire_server)
-        return 0
-    if a.client:
-        client_main(a.inproc)
-        return 0
-    if a.nemo_server:
-        nemo_server_main(a.nemo_server[0], int(a.nemo_server[1]))
-        return 0
-    run(a.out)
-    return 0
-
+test_serve = H.pytest_case(__name__, needs="nemo_automodel.components.speculative.eagle.remote.client")
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(sys.modules[__name__]))

@@ -29,18 +29,16 @@ Limits
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H
+
+NAME = "storage"  # results: storage-cpu.json
 
 K_SWEEP = (8, 16, 32, 64, 128)
 DRAFT_SIZE = 512
@@ -121,7 +119,7 @@ def _qwen3_bytes(opt: dict) -> float | None:
         aux_dtype=opt.get("aux_dtype", "auto"), **QWEN3_8B)
 
 
-def run(out_dir: Path | None = None) -> dict:
+def run(args) -> dict:
     import torch
 
     from eagle_fast.demo import cache_dir
@@ -160,7 +158,6 @@ def run(out_dir: Path | None = None) -> dict:
                                                                              aux_dtype=torch.float32), masks)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    verdicts, recommended = evaluate(records), recommend(records)
     out = {"benchmark": "storage", "environment": env,
            "setup": {"model": f"trained tiny Qwen3 ({Path(model).name})", "draft_size": DRAFT_SIZE,
                      "vocab_size": 1923, "supervised_positions": records["draft-bf16"]["positions"],
@@ -168,10 +165,7 @@ def run(out_dir: Path | None = None) -> dict:
                      "training": {"seconds": report.get("seconds"), "steps": report["train"]["steps"],
                                   "held_out": report.get("held_out")},
                      "rule": f"recommended k: smallest with mean KL <= {KL_MEAN_MAX} and top-1 >= {TOP1_MIN}"},
-           "recommended_k": recommended, "targets": verdicts.lines, "records": records,
-           "wall_s": time.perf_counter() - t_start}
-    if out_dir is not None:
-        H.write_json(Path(out_dir) / "storage-cpu.json", out)
+           "recommended_k": recommend(records), "records": records, "wall_s": time.perf_counter() - t_start}
     for name, r in records.items():
         kl = (f"KL mean {r['kl_mean']:.2e} p99 {r['kl_p99']:.2e} top-1 {100 * r['top1']:.2f}% "
               f"mass kept {100 * r['mass_kept']:.2f}%") if "kl_mean" in r else ""
@@ -216,8 +210,8 @@ def _all_data(work: Path) -> Path:
     return path
 
 
-def evaluate(records: dict) -> H.Verdicts:
-    v = H.Verdicts()
+def verdicts(results: dict) -> H.Verdicts:
+    records, v = results["records"], H.Verdicts()
     recommended = recommend(records)
     base = records.get("draft-bf16", {}).get("qwen3_8b_bytes_per_token")
     if recommended is None or base is None:
@@ -235,28 +229,16 @@ def evaluate(records: dict) -> H.Verdicts:
     return v
 
 
-try:
-    import pytest
-except ImportError:  # pragma: no cover
-    pytest = None
-
-if pytest is not None:
-    def test_storage(benchmark):
-        out = benchmark.pedantic(lambda: run(Path(os.environ.get("EAGLE_FAST_BENCH_OUT", H.RESULTS_DIR))),
-                                 rounds=1, iterations=1)
-        benchmark.group = "storage"
-        benchmark.extra_info["recommended_k"] = out["recommended_k"]
-        assert not math.isnan(out["records"]["draft-bf16"]["kl_mean"])
+def errors(results: dict) -> list[str]:
+    kl = results["records"]["draft-bf16"]["kl_mean"]
+    return [] if not math.isnan(kl) else ["draft-bf16 read back: mean KL against fp32 is NaN"]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=H.RESULTS_DIR)
-    args = ap.parse_args(argv)
-    out = run(args.out)
-    print(json.dumps({"recommended_k": out["recommended_k"], "targets": out["targets"]}, indent=1))
-    return 0
+def summary(results: dict) -> str:
+    return f"recommended k: {results['recommended_k']}"
 
+
+test_storage = H.pytest_case(__name__)
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(H.main(sys.modules[__name__]))

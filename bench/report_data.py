@@ -5,7 +5,7 @@ option (storage_table.py, bench_storage.py), and what a draft trained on each so
 
 from __future__ import annotations
 
-from report_text import env_line, fmt_bytes, table, targets_md
+from report_text import env_line, table, targets_md
 
 
 def storage_section(d: dict | None) -> list[str]:

@@ -27,7 +27,6 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes
 
 from eagle_fast.dtypes import SHORT_NAMES
