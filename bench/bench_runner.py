@@ -219,7 +219,7 @@ def run(args) -> dict:
                if (t.peak_extra_bytes is not None and real_bytes.get(name) is not None) else None,
                "status": "error: " + t.error if t.error else ("ok (called once)" if t.once else "ok")}
         if name == "forward_eagle3_supervision":
-            rec["phases_s"] = phases
+            rec["phases_s"], rec["phases_by"] = phases, "torch.profiler"
         if name == "gemm-floor":
             rec["floor_kind"] = _floor.floor_kind(env["device"], runner.head.lm_head_weight.dtype)
             rec["tokens_per_s"] = rec["head_share"] = None  # not the runner's work

@@ -333,7 +333,7 @@ def run_case(inp: Inputs, mode: str, names, *, rounds=None, benchmark=None) -> t
         if name == "gemm-floor":
             rec["floor_kind"] = _floor.floor_kind(device, inp.weight.dtype)
         if name == "lm_head-torch" and phase_s is not None:
-            rec["phases_s"] = phase_s
+            rec["phases_s"], rec["phases_by"] = phase_s, "torch.profiler"
         rec.update(check.get(name, {}))
         if name.startswith("lm_head") and rec.get("argmax_agree", 1.0) < MIN_ARGMAX_AGREE:
             rec["status"] = (f"error: wrong result: argmax agrees with seed-fp32 on only "

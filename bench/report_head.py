@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from report_text import PHASES, env_line, fmt_bytes, fmt_s, table, targets_md
+from report_text import PHASES, env_line, fmt_bytes, fmt_s, phases_source, table, targets_md
 
 PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "gemm-floor")
 MODE_ORDER = ("all", "lse+argmax", "topk64", "draft32k", "draft-topk64", "logits-bf16")
@@ -105,7 +105,7 @@ def lm_head_section(d: dict, png_link: str | None = None) -> list[str]:
 def floor_table(cases, get) -> list[str]:
     """Each head against the bare GEMM of its case (`gemm-floor`), with the PyTorch head's
     time by phase as shares of one call."""
-    rows, kinds = [], set()
+    rows, kinds, how = [], set(), None
     for key in cases:
         floor = get(key, "gemm-floor")
         if floor is None or not floor["median_s"]:
@@ -116,6 +116,7 @@ def floor_table(cases, get) -> list[str]:
             if r is None or not r["median_s"]:
                 continue
             ph = r.get("phases_s") or {}
+            how = how or (phases_source(r) if ph else None)
             shares = [f"{100 * ph[q] / ph['total']:.0f}%" if ph.get("total") else "-" for q in PHASES]
             rows.append([key[0], f"{key[1]:,}", str(r["hidden"]), f"{r['vocab']:,}", f"`{key[2]}`", f"`{p}`",
                          fmt_s(floor["median_s"]), fmt_s(r["median_s"]),
@@ -124,8 +125,8 @@ def floor_table(cases, get) -> list[str]:
         return []
     out = ["### Against the floor: the bare GEMM of each shape", "",
            (f"`gemm-floor` is {'; '.join(sorted(kinds))}, operands prepared outside the call (`bench/_floor.py`). "
-            "Phases are shares of one more call of the PyTorch head under `torch.profiler` (its phase spans; the "
-            "rounds run without it); `other` is the rest of the call."), ""]
+            f"Phases are shares of one more call of the PyTorch head under {how or 'a profiler'}; `other` is the "
+            "rest of the call."), ""]
     out += table(["shape", "N", "H", "V", "mode", "head", "floor", "head time", "vs floor",
                    *PHASES], rows)
     return out

@@ -4,7 +4,7 @@ pipeline per engine, serving against in-process and NeMo's server, and Ray's wor
 
 from __future__ import annotations
 
-from report_text import PHASES, env_line, fmt_bytes, fmt_s, table, targets_md
+from report_text import PHASES, env_line, fmt_bytes, fmt_s, phases_source, table, targets_md
 
 
 def runner_section(d: dict) -> list[str]:
@@ -39,9 +39,10 @@ def runner_section(d: dict) -> list[str]:
     if floor:
         out += [(f"`gemm-floor`: {floor.get('floor_kind', '-')} on the {s['real_tokens']:,} non-pad tokens "
                  "(`bench/_floor.py`); head time = call minus the engine's capture of the same rows."), ""]
-    ph = (by.get("forward_eagle3_supervision") or {}).get("phases_s") or {}
+    sup = by.get("forward_eagle3_supervision") or {}
+    ph = sup.get("phases_s") or {}
     if ph.get("total"):
-        out += ["`forward_eagle3_supervision` by phase (one more call under `torch.profiler`; `other` is "
+        out += [f"`forward_eagle3_supervision` by phase (one more call under {phases_source(sup)}; `other` is "
                 "the capture, the aux scatter and the copies into the [B, S] fields): "
                 + ", ".join(f"{p} {100 * ph[p] / ph['total']:.0f}%" for p in PHASES if p in ph) + ".", ""]
     if d.get("cross_check"):

@@ -53,3 +53,11 @@ def table(headers, rows) -> list[str]:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return out + [""]
+
+
+def phases_source(rec: dict) -> str:
+    """How a record's phases were taken: the head's `torch.profiler` spans (`_floor.phases`), or,
+    in results written before those spans existed, the head's former phase clock."""
+    if rec.get("phases_by") == "torch.profiler":
+        return "`torch.profiler` over the head's `record_function` spans, outside the timed rounds"
+    return "the head's former phase clock: these results predate its `torch.profiler` spans"
