@@ -49,10 +49,10 @@ test-avx2: $(STAMP)
 	  print(' '.join(f'{k}={v}' for k, v in ISA_CAPS.items()))") \
 	  $(BIN)/python -m pytest -q $(ISA_TESTS)
 
-# pytest-benchmark over bench/bench_*.py (head, runner, pipeline), then bench/RESULTS.md and the
-# plots from bench/results/*.json; see bench/README.md. About 14 minutes on 2 cores (845 s measured)
-# before the storage benchmark and the compact-option runs joined it (about 4 minutes more), and
-# the acceptance benchmark (bench_accept.py, 16 minutes measured alone).
+# pytest-benchmark over bench/bench_*.py (bench/run.py), then bench/RESULTS.md and the plots from
+# bench/results/*.json; see bench/README.md. About 40 minutes on 2 cores, 21 of them the
+# acceptance benchmark: the sum of the per-module wall times in bench/run.py (SECONDS, from the
+# recorded results), not a timed whole run.
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
 

@@ -24,7 +24,7 @@ Design
     pytest-benchmark times one callable at a time (all rounds of A, then all of B), so a load
     change between A's rounds and B's lands in the ratio; SideBySide runs A, B, C in each round,
     rotating who goes first, so drift hits every provider alike. Its statistics (mean, stddev,
-    IQR, outliers) also assume many cheap rounds; a head call here takes seconds and a case gets
+    IQR, outliers) also assume many cheap rounds; a CPU head call takes seconds and a case gets
     2-7 timed rounds, where a median of interleaved rounds is the honest summary. So
     pytest-benchmark is the collector and reporter of `make bench` (its table, its
     --benchmark-* options, `pedantic` driving the head's and the runner's interleaved rounds,

@@ -115,7 +115,7 @@ def _extract(model, data: Path, vocab: Path, out: Path, opt: dict, max_len: int)
 
 
 def _serve(model, samples, ids, mask) -> tuple[list[dict], dict]:
-    from bench_serve import free_port, spawn, wait_up
+    from _procs import free_port, spawn, wait_up
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

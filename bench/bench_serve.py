@@ -42,24 +42,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import _harness as H
 import torch
+from _procs import cpu_seconds, free_port, proc_kib, reset_hwm, spawn, wait_up
 from bench_runner import VOCAB, draft_vocab, tiny_checkpoint, tiny_spec
+from serve_wire import wire_cost
 
 NAME = "serve"  # results: serve-cpu.json
 # the processes the benchmark starts (this file again, with one of these)
 OPTIONS = [H.option("--client", action="store_true", help=argparse.SUPPRESS),
            H.option("--inproc", default=None, help=argparse.SUPPRESS),
-           H.option("--nemo-server", nargs=2, metavar=("MODEL", "PORT"), help=argparse.SUPPRESS),
-           H.option("--wire-server", nargs=2, type=int, metavar=("PORT", "BYTES"), help=argparse.SUPPRESS)]
-ENTRIES = {"wire_server": lambda args: wire_server_main(*args.wire_server),
-           "client": lambda args: client_main(args.inproc),
+           H.option("--nemo-server", nargs=2, metavar=("MODEL", "PORT"), help=argparse.SUPPRESS)]
+ENTRIES = {"client": lambda args: client_main(args.inproc),
            "nemo_server": lambda args: nemo_server_main(args.nemo_server[0], int(args.nemo_server[1]))}
 
 REQ_B = int(os.environ.get("EAGLE_FAST_BENCH_SERVE_B", "2"))
@@ -88,8 +86,6 @@ def _model_dtype() -> str:
 
 MODEL_DTYPE = _model_dtype()
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "NEMO_EAGLE_ENABLE_NCCL": "0"}
 
 
 def batch(seed: int, b: int = REQ_B, s: int = REQ_S):
@@ -109,32 +105,6 @@ def mapping():
 
 
 # -- the processes ------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], env={**os.environ, **ENV}, **kw)
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import requests
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server {url} exited with {proc.returncode}")
-        try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"server {url} not healthy after {timeout} s")
-
-
 def nemo_server_main(model: str, port: int) -> None:
     """NeMo's serve_target on a CPU (fp32), except the model loader (see the module header)."""
     from nemo_automodel.components.speculative.eagle.remote.server import TargetModelServer, serve
@@ -145,70 +115,6 @@ def nemo_server_main(model: str, port: int) -> None:
     net.requires_grad_(False)
     target = HFEagle3TargetModel(net, aux_layer_ids=AUX_LAYER_IDS)
     serve(TargetModelServer(target, nccl_port=port + 100, host="127.0.0.1"), "127.0.0.1", port)
-
-
-WIRE_VARIANTS = {  # name: (framing, bytes per piece the app yields)
-    "length-1MiB": ("length", 1 << 20), "chunked-1MiB": ("chunked", 1 << 20), "chunked-128KiB": ("chunked", 128 << 10)}
-
-
-def wire_server_main(port: int, nbytes: int) -> None:
-    """A bare uvicorn app with our server's malloc settings: POST /{framing}/{piece} answers
-    `nbytes` zero bytes in pieces of `piece` bytes, with a Content-Length ("length") or chunked
-    (uvicorn frames each piece, joining it with its size line into a new bytes object); GET
-    /health for `wait_up`."""
-    import uvicorn
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-
-    from eagle_fast.memory import return_freed_memory
-
-    return_freed_memory()
-    zeros = memoryview(bytes(max(piece for _, piece in WIRE_VARIANTS.values())))
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.post("/{framing}/{piece}")
-    async def send(framing: str, piece: int):
-        async def body():
-            for start in range(0, nbytes, piece):
-                yield zeros[: min(piece, nbytes - start)]
-
-        headers = {"content-length": str(nbytes)} if framing == "length" else None
-        return StreamingResponse(body(), headers=headers)
-
-    uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")).run()
-
-
-def wire_cost(nbytes: int, rounds: int = 15) -> dict:
-    """CPU seconds per body of `nbytes`, by framing and piece size (`WIRE_VARIANTS`): the client's
-    (this process, requests' `resp.content`, as NeMo's client reads) and the server's (the app's
-    process); the variants interleaved `rounds` times, the median of each."""
-    import requests
-
-    port = free_port()
-    server = spawn([__file__, "--wire-server", str(port), str(nbytes)])
-    try:
-        wait_up(f"http://127.0.0.1:{port}", server, timeout=60)
-        session = requests.Session()
-        session.trust_env = False
-        cpu = {name: {"client_cpu_s": [], "server_cpu_s": []} for name in WIRE_VARIANTS}
-        for _ in range(rounds):
-            for name, (framing, piece) in WIRE_VARIANTS.items():
-                c0, s0 = _cpu_seconds("self"), _cpu_seconds(server.pid)
-                got = len(session.post(f"http://127.0.0.1:{port}/{framing}/{piece}", timeout=120).content)
-                cpu[name]["client_cpu_s"].append(_cpu_seconds("self") - c0)
-                cpu[name]["server_cpu_s"].append(_cpu_seconds(server.pid) - s0)
-                assert got == nbytes, (name, got)
-    finally:
-        server.terminate()
-        server.wait(30)
-    return {"bytes": nbytes, "rounds": rounds,
-            "variants": {name: {"framing": framing, "piece_bytes": piece, **cpu[name],
-                                **{f"median_{k}": _median(v) for k, v in cpu[name].items()}}
-                         for name, (framing, piece) in WIRE_VARIANTS.items()}}
 
 
 def client_main(inproc_model: str | None = None) -> None:
@@ -254,17 +160,17 @@ def client_main(inproc_model: str | None = None) -> None:
             for i in range(cmd["memory"]):
                 b, s = shapes[int(torch.randint(len(shapes), (1,), generator=g))]
                 one(url, *batch(5000 + i, b=b, s=s))
-                rss.append(_proc_kib(cmd["pid"], "VmRSS") * 1024)
+                rss.append(proc_kib(cmd["pid"], "VmRSS") * 1024)
             print(json.dumps({"rss": rss}), flush=True)
             continue
-        start, tokens, cpu0 = time.time(), 0, _cpu_seconds("self")
+        start, tokens, cpu0 = time.time(), 0, cpu_seconds("self")
         for seed in cmd["seeds"]:
             ids, am, lm = batch(seed)
             out = one(url, ids, am, lm)
             assert out.shape == (*ids.shape, sel.numel())
             tokens += int(am.sum())
         print(json.dumps({"start": start, "end": time.time(), "tokens": tokens,
-                          "cpu_s": _cpu_seconds("self") - cpu0}), flush=True)
+                          "cpu_s": cpu_seconds("self") - cpu0}), flush=True)
 
 
 class Clients:
@@ -301,23 +207,6 @@ def _stats(url: str) -> dict:
     import requests
 
     return requests.get(url + "/health", timeout=30).json()
-
-
-def _proc_kib(pid: int, key: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise KeyError(key)
-
-
-def _cpu_seconds(pid) -> float:
-    """User + system CPU seconds of process `pid` ("self": this one), all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _reset_hwm(pid: int) -> None:
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -366,10 +255,10 @@ def run(args) -> dict:
             for name in names[r % len(names):] + names[: r % len(names)]:
                 fn, pid = providers[name]
                 if pid is not None:
-                    records[name]["idle_rss_bytes"].append(_proc_kib(pid, "VmRSS") * 1024)
-                    _reset_hwm(pid)
+                    records[name]["idle_rss_bytes"].append(proc_kib(pid, "VmRSS") * 1024)
+                    reset_hwm(pid)
                 ours_before, t0 = _stats(ours_url) if name.startswith("served") else None, time.time()
-                server_cpu0 = _cpu_seconds(pid) if pid is not None else None
+                server_cpu0 = cpu_seconds(pid) if pid is not None else None
                 tps, client_cpu, tokens = fn(r)
                 records[name]["tokens_per_s"].append(tps)
                 records[name].setdefault("client_cpu_s_per_request", []).append(client_cpu)
@@ -377,7 +266,7 @@ def run(args) -> dict:
                 if pid is not None:  # every provider but in-process sends N_PER_CLIENT per client
                     n_req = N_PER_CLIENT * (CLIENTS if name == "served-4" else 1)
                     records[name].setdefault("server_cpu_s_per_request", []).append(
-                        (_cpu_seconds(pid) - server_cpu0) / n_req)
+                        (cpu_seconds(pid) - server_cpu0) / n_req)
                 if ours_before is not None:  # our engine's busy share of the round, and per-call speed
                     after, wall = _stats(ours_url), time.time() - t0
                     busy = after["engine_seconds"] - ours_before["engine_seconds"]
@@ -386,7 +275,7 @@ def run(args) -> dict:
                         (after["requests"] - ours_before["requests"]) / max(1, after["engine_calls"]
                                                                             - ours_before["engine_calls"]))
                 if pid is not None:
-                    records[name]["peak_rss_bytes"].append(_proc_kib(pid, "VmHWM") * 1024)
+                    records[name]["peak_rss_bytes"].append(proc_kib(pid, "VmHWM") * 1024)
                 print(f"  round {r} {name:10s} {records[name]['tokens_per_s'][-1]:8.0f} tok/s", flush=True)
 
         # cross-check: the same batch through our server, NeMo's server, and in process

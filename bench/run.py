@@ -2,10 +2,12 @@
 
 What it does
     1. pytest (in this process) over bench/bench_lm_head.py, bench_runner.py,
-       bench_pipeline.py, bench_cpu_ops.py, bench_serve.py, bench_ray.py, bench_storage.py and
-       bench_accept.py (after storage, whose recommended k it reads), with pytest-benchmark
-       driving the timed rounds. Each module writes its
-       own results JSON into bench/results/ (or --out) as it finishes.
+       bench_pipeline.py, bench_cpu_ops.py, bench_serve.py, bench_ray.py, bench_storage.py,
+       bench_host_path.py and bench_accept.py (after storage, whose recommended k it reads).
+       Each module's test is `_harness.pytest_case` (one per head case in bench_lm_head.py):
+       pytest-benchmark collects and tabulates them and drives the head's and the runner's
+       interleaved rounds; the ratios come from `_harness.SideBySide` (its docstring says why).
+       Each module writes its own results JSON into bench/results/ (or --out) as it finishes.
     2. bench/report.py turns every JSON there into bench/RESULTS.md and the plots.
     3. Prints every PASS/FAIL line from the fresh JSONs and the wall time.
 
@@ -17,9 +19,10 @@ Design
     A missed target does not fail the run (the page records it); a benchmark that errors does.
 
 Limits
-    `--only` picks modules; the CPU suite took 845 s on 2 cores before `storage` and the compact-option
-    runs of `pipeline` joined it (about 4 minutes more; bench/README.md); `accept` adds about
-    20 minutes (leave it out of `--only` to skip it).
+    `--only` picks modules. How long each takes is `SECONDS` below, the wall time its recorded
+    results file holds; their sum, about 40 minutes on 2 cores (21 of them `accept`), is the
+    figure README.md, bench/README.md and the Makefile quote. No whole `make bench` was timed
+    with every module in it; the sum leaves out pytest's start-up and the report (seconds).
 """
 
 from __future__ import annotations
@@ -35,11 +38,22 @@ HERE = Path(__file__).resolve().parent
 MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline": "bench_pipeline.py",
            "cpu_ops": "bench_cpu_ops.py", "serve": "bench_serve.py", "ray": "bench_ray.py",
            "storage": "bench_storage.py", "host_path": "bench_host_path.py", "accept": "bench_accept.py"}
+# Seconds each module took: `wall_s` of its results file in bench/results/ (a 2-core Xeon with AMX;
+# the trained tiny target of storage and accept already cached). host_path's file records none:
+# its figure is bench/README.md's "about 2 minutes".
+SECONDS = {"lm_head": 165, "runner": 177, "pipeline": 190, "cpu_ops": 36, "serve": 267, "ray": 128,
+           "storage": 10, "host_path": 120, "accept": 1277}
+
+
+def estimate_minutes(names=MODULES) -> int:
+    """The expected wall time of these modules, in whole minutes (the docs' figure for all)."""
+    return round(sum(SECONDS[n] for n in names) / 60)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default=",".join(MODULES), help="comma list of: " + ", ".join(MODULES))
+    ap.add_argument("--only", default=",".join(MODULES), help="comma list of: " + ", ".join(
+        f"{n} (~{SECONDS[n] / 60:.1f} min)" for n in MODULES) + f"; all: ~{estimate_minutes()} min")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     a = ap.parse_args(argv)
@@ -53,6 +67,7 @@ def main(argv=None) -> int:
 
     import pytest
 
+    print(f"==== {', '.join(names)}: about {estimate_minutes(names)} min on 2 cores (bench/run.py SECONDS) ====")
     t0 = time.perf_counter()
     started = time.time()
     args = ["-q", "-p", "no:cacheprovider", "--benchmark-disable-gc", "-o", "python_files=bench_*.py",
