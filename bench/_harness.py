@@ -319,6 +319,12 @@ def results_path(bench, args) -> Path:
     return Path(out) / f"{name}.json"
 
 
+def failed_records(records, *keys: str) -> list[str]:
+    """'<keys' values>: <status>' for every record whose status is not "ok" (or "ok (...)")."""
+    return [" ".join(str(r.get(k, "")) for k in keys).strip() + f": {r['status']}"
+            for r in records if not r["status"].startswith("ok")]
+
+
 def errors(bench, results: dict) -> list[str]:
     return list(bench.errors(results)) if hasattr(bench, "errors") else []
 

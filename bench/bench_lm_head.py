@@ -180,8 +180,7 @@ def verdicts(results: dict) -> H.Verdicts:
 
 def errors(results: dict) -> list[str]:
     """A provider that failed or a wrong head; off --smoke, a missed goal too (gpu_check.sh's exit 1)."""
-    errs = [f"{r['shape']} N={r['n_tokens']} {r['mode']} {r['provider']}: {r['status']}"
-            for r in results["records"] if r["status"].startswith("error")]
+    errs = H.failed_records(results["records"], "shape", "n_tokens", "mode", "provider")
     if not results["smoke"]:
         errs += [f"FAIL {t['target']}" for t in results["targets"] if t["result"] == "FAIL"]
     return errs
@@ -236,8 +235,8 @@ if pytest is not None:
         benchmark.extra_info.update({r["provider"]: {"median_s": r["median_s"], "peak_extra_bytes":
                                                      r["peak_extra_bytes"], "status": r["status"]}
                                      for r in recs})
-        errors = [f"{r['provider']}: {r['status']}" for r in recs if r["status"].startswith("error")]
-        assert not errors, errors
+        failed = H.failed_records(recs, "provider")
+        assert not failed, failed
         # A fast wrong head must not be benchmarked as if it were right.
         for name, c in check.items():
             if name.startswith("lm_head") and "argmax_agree" in c:

@@ -322,7 +322,7 @@ def verdicts(results: dict) -> H.Verdicts:
 
 
 def errors(results: dict) -> list[str]:
-    return [f"{r['engine']} {r.get('variant', '')}: {r['status']}" for r in results["records"] if r["status"] != "ok"]
+    return H.failed_records(results["records"], "engine", "variant")
 
 
 test_pipeline = H.pytest_case(__name__, needs="vllm")

@@ -138,7 +138,7 @@ def verdicts(results: dict) -> H.Verdicts:
 
 
 def errors(results: dict) -> list[str]:
-    return [f"{r['mode']} batch {r['batch_tokens']}: {r['status']}" for r in results["records"] if r["status"] != "ok"]
+    return H.failed_records(results["records"], "mode", "batch_tokens")
 
 
 test_ray = H.pytest_case(__name__, needs="ray")

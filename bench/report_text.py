@@ -61,3 +61,8 @@ def phases_source(rec: dict) -> str:
     if rec.get("phases_by") == "torch.profiler":
         return "`torch.profiler` over the head's `record_function` spans, outside the timed rounds"
     return "the head's former phase clock: these results predate its `torch.profiler` spans"
+
+
+def section_head(title: str, d: dict, intro: str) -> list[str]:
+    """A section's opening: its title, where and when it was measured, what was run, its targets."""
+    return [f"## {title}", "", env_line(d["environment"]), "", intro, "", *targets_md(d.get("targets", []))]
