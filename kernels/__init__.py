@@ -4,7 +4,7 @@ What it does
     `lm_head(hidden, weight, norm_weight, ...)` turns final pre-norm hidden states [..., H] into
     EAGLE-3 supervision (lse, argmax, top-k, draft-vocab log-probs, optionally full logits /
     logprobs) through one of two implementations with the same semantics
-    (`lm_head_torch.py`'s header defines them):
+    (`reference.py` defines them):
       impl="torch"  `lm_head_torch.lm_head_torch`: PyTorch, any device, chunked over the vocabulary;
       impl="triton" `lm_head_triton.lm_head_triton`: the fused Triton kernel (CUDA, or the Triton
                     interpreter for CPU tensors);
@@ -289,7 +289,7 @@ def lm_head(
     """Final norm + LM head + on-the-fly reductions, without full fp32 logits unless asked.
 
     logits = softcap * tanh(scale * (round(norm(hidden)) @ weight.T) / softcap), fp32 accumulate
-    (see `lm_head_torch.py` for the exact rounding points).
+    (`reference.py` defines the exact rounding points).
 
     Args:
         hidden: [..., H] bf16 | fp16 | fp32, the final hidden state BEFORE the final norm.

@@ -2,11 +2,11 @@
 
 `eagle_fast.kernels.lm_head` validates user input once, flattens leading dims to N rows, and
 hands a `HeadRequest` to one implementation:
-  - `lm_head_torch.lm_head_torch(req)`  (PyTorch, any device; the CPU fallback and the oracle's
-    rounding model), and
+  - `lm_head_torch.lm_head_torch(req)`  (PyTorch, any device; the CPU fallback), and
   - `lm_head_triton.lm_head_triton(req)`   (the fused Triton kernel; CUDA, or the Triton interpreter
     for CPU tensors).
 Both return a `HeadOutput` with 2-D / 1-D fields (N leading); the public function reshapes.
+`reference.lm_head_reference` defines what both compute, and returns a `HeadOutput` too.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The head's norm prologue in Triton: y = norm(hidden) in the weight dtype, before the GEMM.
 
 Design: one program per row on a GPU (a whole row per block, fp32 statistics), IEEE sqrt
-and division like the reference's fp32 1/sqrt; y is rounded exactly as `lm_head_torch.normalize`
+and division like the reference's fp32 1/sqrt; y is rounded exactly as `reference.final_norm`
 rounds it (twice for Llama-style RMSNorm: x * r, then its product with the weight; once for
 Gemma's (1 + w) form), so `lm_head_fwd_kernel` reads both GEMM operands unchanged.
 Limits: a whole row must fit one block (BLOCK_H = next power of two >= H).
@@ -70,7 +70,7 @@ def rms_norm_kernel(
 
 
 def normalize_triton(req: HeadRequest, interpret: bool) -> torch.Tensor:
-    """y = norm(hidden) in the weight dtype, rounded as lm_head_torch.normalize, [N, H] contiguous."""
+    """y = norm(hidden) in the weight dtype, rounded as reference.final_norm, [N, H] contiguous."""
     hidden, weight = req.hidden, req.weight
     if req.norm == "none" and hidden.dtype == weight.dtype:
         return hidden

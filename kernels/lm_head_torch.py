@@ -1,26 +1,11 @@
-"""PyTorch path of the head op: the reference semantics and the CPU fallback.
+"""The head op in PyTorch, optimised for CPUs: tiled, MKL's bf16 GEMM, no full logits.
 
 `lm_head_torch(req)` turns N final pre-norm hidden states into the outputs that
 `HeadRequest.outputs` asks for, looping over vocabulary chunks so that full [N, V] logits
 exist only when "logits" or "logprobs" were requested; `lm_head_logits_torch` writes the
-logits alone. The tests' float64 oracle (tests/_oracle.py) uses `normalize` from here.
-
-Semantics (both implementations follow them; this module defines them)
-    x32    = hidden.float()                                       [N, H]
-    r      = rsqrt(mean(x32 ** 2, -1) + eps)                       [N]    fp32
-    y      = rounded to weight.dtype as the served model rounds it  [N, H]
-             "rms" (Llama/Qwen, transformers and vLLM): rnd(rnd(x32 * r) * rnd(norm_weight))
-             "rms_one_plus" (Gemma): rnd(x32 * r * (1 + norm_weight.float()))
-             "none": rnd(x32);  rnd = round to nearest-even in weight.dtype
-    logits = (y @ weight.T accumulated in fp32) * logit_scale      [N, V] fp32
-             then softcap * tanh(logits / softcap) when softcap is set
-    lse    = logsumexp(logits)                                     fp32, when `req.needs_lse`
-    argmax = first index of max(logits)                            int64 (ties -> lower id)
-    top-k  = k largest logits, ordered by (value desc, id asc)     exact tie rule, any k in [1, V]
-    topk_logprobs   = topk logits - lse
-    topk_tail       = probability mass OUTSIDE the top-k           fp32, in [0, 1]
-    draft_logprobs  = log_softmax(logits[:, draft_ids])            over the draft columns only
-    argmax_in_draft = argmax in draft_ids
+logits alone. What it computes is defined by `reference.py` (semantics in its header); the
+tests check this path against that reference in float64. Any device; the fallback where
+Triton does not run.
 
 Design
     Vocab chunks of C columns (`choose_chunk`), each over row blocks of R rows
@@ -48,7 +33,8 @@ Design
 Limits
     Extra memory: one tile, on CPU one fp32 weight chunk, the draft buffer, and the requested
     outputs (logits/logprobs are the only [N, V]). Non-finite inputs propagate (NaN in, NaN
-    out); a NaN logit ranks as +inf in the argmax and top-k, so their ids stay real ids. On CUDA, fp32 weights use whatever `torch.backends.cuda.matmul.allow_tf32` says.
+    out); a NaN logit ranks as +inf in the argmax and top-k, so their ids stay real ids.
+    On CUDA, fp32 weights use whatever `torch.backends.cuda.matmul.allow_tf32` says.
     No autograd: the head produces supervision, not a differentiable loss.
 """
 
@@ -87,8 +73,9 @@ def choose_chunk(
     """Vocabulary columns per chunk, a multiple of 256 in [1, vocab] (or at least k).
 
     CPU: C = min(_CPU_CHUNK_COLS, _CPU_WCHUNK_BYTES / (4 H)): the fp32 weight chunk [C, H] is
-    upcast once per chunk and stays in cache while every row block multiplies it. CUDA: C = _CUDA_TILE_BYTES /
-    (4 max(N, H)), one [N, C] tile per chunk (rows are not blocked there).
+    upcast once per chunk and stays in cache while every row block multiplies it.
+    CUDA: C = _CUDA_TILE_BYTES / (4 max(N, H)), one [N, C] tile per chunk (rows are not
+    blocked there).
     C is at least k (rounded up to 256) so that merging the running top-k with one tile's
     candidates stays a sort of O(k + C) per row rather than the top-k merge dominating a small
     chunk; memory stays O(N x max(C, k)), the size of the top-k outputs.
@@ -114,7 +101,7 @@ def choose_row_block(n_rows: int, chunk: int, device_type: str = "cpu") -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Normalisation: shared by the PyTorch path, the tests and their oracle, so all round y alike.
+# Normalisation: y rounded as `reference.final_norm` defines it, with a fast "rms" branch.
 # ----------------------------------------------------------------------------------------------
 
 

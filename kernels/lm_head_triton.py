@@ -2,12 +2,12 @@
 
 `lm_head_triton(req)` turns final pre-norm hidden states [N, H] into EAGLE-3 supervision
 (lse, argmax, top-k, draft-vocab log-probs, the sparse draft top-k, optionally logits /
-logprobs) with the semantics of `lm_head_torch.lm_head_torch`, without materialising fp32 [N, V]
+logprobs) with the semantics `reference.py` defines, without materialising fp32 [N, V]
 logits unless asked for.
 
 Design
   1. The norm prologue (`_triton_norm`) writes y = norm(x) in the weight dtype, rounded as
-     `lm_head_torch.normalize` rounds it, so both GEMM operands stream from global to shared
+     `reference.final_norm` rounds it, so both GEMM operands stream from global to shared
      memory unchanged; a norm inside the K-loop would route every A tile through registers.
   2. `lm_head_fwd_kernel`: one program per [BLOCK_N rows x BLOCK_V vocab] tile in grouped
      order (GROUP_SIZE row blocks sweep the vocabulary together, so a weight tile is read

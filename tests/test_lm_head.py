@@ -6,8 +6,8 @@ Triton interpreter for these CPU tensors), input validation, the draft-id helper
 `gpu` class at real sizes on CUDA.
 
 Design:
-  - Truth is `_oracle.lm_head_oracle`: full float64 logits after the SAME rounding of the
-    normalised activation to the weight dtype (the one rounding the semantics define).
+  - Truth is the package's reference (`kernels/reference.py`, through `_oracle.lm_head_oracle`):
+    full float64 logits after the rounding of the normalised activation the semantics define.
   - Tolerance follows flash-attention: a float output passes when its error is at most
     2 x (the error of the same-dtype yardstick: the oracle with its GEMM in the weight dtype,
     `lm_head_oracle(..., same_dtype=True)`) + atol (+ one out_dtype ulp for outputs stored in
@@ -53,7 +53,7 @@ from eagle_fast.kernels import (
 )
 from eagle_fast.kernels._common import OUT_DTYPE_FIELDS
 from eagle_fast.kernels._torch_running import RunningTopK
-from eagle_fast.kernels.lm_head_torch import normalize_fp32
+from eagle_fast.kernels.reference import final_norm
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -375,7 +375,7 @@ def test_activation_rounding_matches_served_model(impl, dtype, norm, gen):
         module.weight.copy_(norm_weight)
         served = module(hidden).double() @ weight.double().t()
     out = lm_head(hidden, weight, norm_weight, norm=norm, outputs=("logits",), impl=impl)
-    y32 = normalize_fp32(hidden, norm_weight, eps=1e-6, norm=norm)
+    y32 = final_norm(hidden, norm_weight, eps=1e-6, norm=norm, dtype=torch.float32)  # unrounded
     once = y32.to(dtype).double() @ weight.double().t()
     r = torch.rsqrt(hidden.float().pow(2).mean(-1, keepdim=True) + 1e-6)
     twice = ((hidden.float() * r).to(dtype) * norm_weight.to(dtype)).double() @ weight.double().t()
@@ -576,7 +576,7 @@ def test_exact_ties_go_to_lower_id(impl, k, dtype, gen):
 
 
 def test_torch_topk_path_used_on_cuda(gen):
-    # On CUDA the reference picks each chunk's candidates with torch.topk only (no threshold
+    # On CUDA the PyTorch path picks each chunk's candidates with torch.topk only (no threshold
     # gather). Force that path on CPU, with chunks narrower than k and ties everywhere.
     hidden, weight = tie_inputs(gen, 9, 32, 257, torch.float32)
     with mock.patch.object(RunningTopK, "_update_above_threshold", lambda *a: False):
@@ -652,8 +652,8 @@ def test_tail_when_topk_holds_nearly_all_mass(impl, gen):
     assert_close(out.topk_tail, oracle.topk_tail, atol=1e-6, rtol=0, name="topk_tail")
 
 
-def test_reference_tail_keeps_relative_accuracy(gen):
-    # The reference sums the tail directly over the tokens outside the top-k (never as
+def test_torch_tail_keeps_relative_accuracy(gen):
+    # The PyTorch path sums the tail directly over the tokens outside the top-k (never as
     # 1 - sum(top-k)), so even a 1e-17 tail is right to fp32 relative precision, whatever the
     # chunking.
     N, H, V = 6, 64, 300
@@ -686,7 +686,7 @@ class _LargestTensor(TorchDispatchMode):
 def test_torch_impl_never_builds_vocab_sized_tensors(gen):
     # Without logits/logprobs, no tensor created during the call may come near one fp32 [N, V]
     # matrix: the default plan here is one [128, 1024] tile, 1/16 of it
-    # (`test_choose_chunk_bounds_the_tile` checks the plan at real sizes).
+    # (`test_cpu_scratch_stays_within_its_budget` checks the budget where it binds).
     # Requesting logits is the control: there the tracker must see the [N, V] output.
     N, H, V = 128, 16, 16_384
     hidden, weight, norm_weight = make_inputs(gen, N, H, V, torch.bfloat16)
@@ -700,26 +700,25 @@ def test_torch_impl_never_builds_vocab_sized_tensors(gen):
     assert seen.nbytes >= full, f"tracker missed the logits output ({seen.nbytes} bytes)"
 
 
-def test_choose_chunk_bounds_the_tile():
-    budget, wbudget = lm_head_torch._CPU_TILE_BYTES, lm_head_torch._CPU_WCHUNK_BYTES
-    assert budget <= 64 << 20 and wbudget <= 64 << 20  # cache-sized, whatever the vocabulary
-    # the benchmark shapes: C a multiple of 256, C < V, tile [R, C] fp32 within the budget
-    for n, h in ((1024, 1024), (6400, 256), (8192, 4096)):
-        C = lm_head_torch.choose_chunk(n, h, 151_936, k=64)
-        R = lm_head_torch.choose_row_block(n, C)
-        assert C % 256 == 0 and C < 151_936 and R * C * 4 <= budget, (n, h, C, R)
-        assert C * h * 4 <= max(wbudget, 256 * h * 4), (n, h, C)  # weight chunk bounded
-        assert 16 <= R <= n and R % 16 == 0
-    # a wide hidden keeps the minimum width of 256 columns
-    assert lm_head_torch.choose_chunk(16, 8192, 151_936) == 256
-    # k never exceeds the chunk (the top-k merge would dominate), and tiny vocabularies clamp
-    assert lm_head_torch.choose_chunk(8192, 4096, 262_144, k=1000) >= 1000
-    assert lm_head_torch.choose_chunk(4, 16, 10, k=3) == 10
-    assert lm_head_torch.choose_row_block(5, 1024) == 5
-    # CUDA: one row block, chunk bounded by the tile budget over max(N, H)
-    assert lm_head_torch.choose_row_block(4096, 8192, "cuda") == 4096
-    C = lm_head_torch.choose_chunk(4096, 4096, 151_936, device_type="cuda")
-    assert C * 4096 * 4 <= lm_head_torch._CUDA_TILE_BYTES
+@pytest.mark.parametrize(
+    "N,H,V,dtype",
+    [
+        (1100, 16, 4096, torch.bfloat16),  # more rows than one tile holds: rows are blocked
+        (40, 2048, 1000, torch.float16),  # a wide head: the fp32 weight chunk is bounded too
+    ],
+)
+def test_cpu_scratch_stays_within_its_budget(N, H, V, dtype, gen):
+    # The CPU plan's promise: besides the outputs, no tensor of a call outgrows the tile budget
+    # (one fp32 [R, C] logits tile, one fp32 weight chunk), although full fp32 logits or a
+    # whole upcast weight would.
+    hidden, weight, norm_weight = make_inputs(gen, N, H, V, dtype)
+    budget = max(lm_head_torch._CPU_TILE_BYTES, lm_head_torch._CPU_WCHUNK_BYTES)
+    assert max(N * V * 4, V * H * 4) > budget, "the case must be bigger than the budget"
+    with _LargestTensor() as seen:
+        out = lm_head(hidden, weight, norm_weight, outputs=("lse", "topk"), k=8, impl="torch")
+    assert seen.nbytes <= budget, f"{seen.op} returned {seen.nbytes} bytes; budget {budget}"
+    oracle = lm_head_oracle(hidden, weight, norm_weight, k=8)
+    assert_close(out.lse, oracle.lse, atol=1e-3, rtol=1e-4, name="lse")  # and still right
 
 
 @pytest.mark.parametrize("chunk", [64, 100, 4096])

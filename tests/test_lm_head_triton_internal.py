@@ -221,11 +221,10 @@ def test_row_chunks_under_a_tiny_scratch_budget(monkeypatch, out_dtype):
         assert_close(getattr(chunked, name), getattr(oracle, name), atol=tol, rtol=tol, name=name)
 
 
-def test_default_configs_are_deterministic_and_fit_hopper():
+def test_default_configs_fit_hopper_shared_memory():
     seen = set()
     for _, v in aot.aot_variants():
         cfg = cfgs.default_config(v, 8192, 151_936, 4096, interpret=False)
-        assert cfg == cfgs.default_config(v, 8192, 151_936, 4096, interpret=False)
         w_bytes = 4 if v.weight == "fp32" else 2
         smem = (cfg.BLOCK_N + cfg.BLOCK_V) * cfg.BLOCK_H * w_bytes * cfg.num_stages
         assert smem <= 227 * 1024, (v, cfg)
