@@ -294,14 +294,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
 # --------------------------------------------------------------------------- probe
 def _probe_inputs(work: Path, draft_vocab: int = 512, n_prompts: int = 4, seed: int = 0):
     """(target_dir, vllm_draft_dir, prompts): trained tiny Qwen3, random NeMo draft, chat prompts."""
+    import accept  # the prompts and the draft exactly as bench_accept builds them
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from eagle_fast.demo import cache_dir, demo_data_path
     from eagle_fast.tiny import build_trained_tiny, trained_tiny_dir
-
-    sys.path.insert(0, str(_HERE.parent))
-    import accept  # the prompts and the draft exactly as bench_accept builds them
 
     target_dir = build_trained_tiny(trained_tiny_dir(cache_dir()))
     tok = AutoTokenizer.from_pretrained(str(target_dir))
@@ -339,7 +337,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     for k, v in _ENV_DEFAULTS.items():
         os.environ.setdefault(k, v)
-    sys.path.insert(0, str(_REPO))
     with tempfile.TemporaryDirectory(prefix="accept_vllm_probe.") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
         target_dir, draft_dir, prompts = _probe_inputs(work, n_prompts=args.prompts)
