@@ -2,7 +2,7 @@
 provenance.
 
 What it does
-    - `main(bench)` / `pytest_case(bench)`: the two ways a benchmark runs, script and
+    - `main(module)` / `pytest_case(__name__)`: the two ways a benchmark runs, script and
       pytest-benchmark (bench/run.py). A benchmark module declares `NAME`, its extra
       command-line `OPTIONS` (`option(...)`), `run(args) -> results`, `verdicts(results)` and,
       where it has them, `errors(results)` (what makes the run fail), hidden subprocess
