@@ -1,6 +1,8 @@
 """On-disk layouts other tools read: NeMo AutoModel's EAGLE-3 offline cache, read by
 NeMo's own `CachedEagle3Dataset` and checked field by field against NeMo's own producer path;
-vLLM speculators' `hs_{i}.safetensors`; and the streaming safetensors writer under them.
+vLLM speculators' `hs_{i}.safetensors`; SpecForge's per-sample .ckpt files split across nodes and
+merged; and the streaming safetensors writer under them. (The trainers' own readers and training
+steps read them in test_speculators_train.py and test_specforge.py.)
 """
 
 from __future__ import annotations
@@ -230,7 +232,7 @@ def test_layout_rejects_supervision_it_cannot_store(tmp_path, tiny_llama):
     from eagle_fast.errors import UserError
 
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(2))
-    for layout, kind in [("nemo", "lse"), ("nemo", "hidden"), ("speculators", "topk")]:
+    for layout, kind in [("nemo", "lse"), ("nemo", "hidden"), ("speculators", "topk"), ("specforge", "draft")]:
         with pytest.raises(UserError, match=f"--format {layout}"):
             extract(ExtractConfig(model=str(tiny_llama), data=str(data), out=str(tmp_path / "o"), engine="hf",
                                   layout=layout, supervision=kind))
@@ -280,3 +282,29 @@ def test_speculators_parts_merge(tmp_path, tiny_llama):
     assert tree_digest(tmp_path / "merged") == {**tree_digest(tmp_path / "single"),
                                                 "manifest.json": tree_digest(tmp_path / "merged")["manifest.json"]}
     assert manifest_core(tmp_path / "merged") == manifest_core(tmp_path / "single")
+
+
+def test_specforge_parts_merge_with_their_vocab_mapping(tmp_path, tiny_llama):
+    from _pipeline import manifest_core, tree_digest
+
+    from eagle_fast.pipeline.merge import merge
+
+    data = write_jsonl(tmp_path / "d.jsonl", chat_lines(5))
+    vocab = tmp_path / "vocab.safetensors"
+    save_draft_vocab(vocab, DraftVocab(torch.arange(0, 1031, 3), 1031))
+
+    def run(out, shard=None):
+        extract(ExtractConfig(model=str(tiny_llama), data=str(data), out=str(out), engine="hf", dtype="bf16",
+                              max_len=MAX_LEN, shard_size=2, layout="specforge", draft_vocab=str(vocab), shard=shard,
+                              progress_tty=False))
+
+    run(tmp_path / "single")
+    for i in range(2):
+        run(tmp_path / f"node{i}", f"{i}/2")
+    merge(str(tmp_path / "merged"), [str(tmp_path / "node0"), str(tmp_path / "node1")])
+    digest = tree_digest(tmp_path / "merged")
+    assert digest == {**tree_digest(tmp_path / "single"), "manifest.json": digest["manifest.json"]}
+    assert manifest_core(tmp_path / "merged") == manifest_core(tmp_path / "single")
+    assert sorted(p.name for p in (tmp_path / "merged" / "rows_0-2000").iterdir()) == \
+        sorted(f"data_{i}.ckpt" for i in range(5))
+    assert "vocab_mapping.pt" in digest
