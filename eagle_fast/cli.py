@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-dtype", choices=("auto", "fp8"), default="auto",
                    help="stored dtype of the aux hidden states (and of --supervision hidden's final hidden): "
                         "auto = the target dtype (default); fp8 = float8_e4m3fn with one fp32 scale per "
-                        "token, about half of bf16's bytes (native and speculators formats; speculators "
-                        "quantizes the final slot its trainer computes targets from too)")
+                        "token, about half of bf16's bytes (native and speculators formats; speculators' "
+                        "layout quantizes the final slot its trainer computes targets from too: coarser "
+                        "targets, see README)")
     p.add_argument("--shard", default=None, metavar="I/N", help="this node's slice of N (merge with `eagle-fast merge`)")
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard file (default 256)")
     p.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators", "specforge"),
