@@ -5,8 +5,8 @@ What it does
     runner-cpu.json, pipeline-cpu.json, cpu_ops-cpu.json, serve-cpu.json, ray-cpu.json,
     host_path-cpu.json, storage-cpu.json, accept-cpu.json; whichever exist) and writes
     (bench_accept draws its own accept-cpu.png):
-      - bench/RESULTS.md: per file, where/when it was measured, the targets as PASS/FAIL, then
-        its tables;
+      - bench/RESULTS.md: bench/SUMMARY.md verbatim (hand-curated rows across machines), then
+        per file, where/when it was measured, the targets as PASS/FAIL, then its tables;
       - bench/results/lm_head-<device>.png: time and peak extra memory vs vocabulary size, one
         line per provider, one column per output mode (matplotlib, Agg backend).
 
@@ -55,6 +55,9 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
             f"[bench/README.md]({os.path.relpath(HERE / 'README.md', page_dir)}). CPU numbers come from a shared "
             "2-core machine: only ratios within one run are claims; absolute times are only meaningful from a GPU."),
            ""]
+    summary = HERE / "SUMMARY.md"  # hand-curated rows across machines: the main page only
+    if summary.exists() and results_dir == RESULTS.resolve():
+        out += [summary.read_text().rstrip(), ""]
     files = {p.stem: p for p in sorted(results.glob("*.json"))}
     head_files = [files[k] for k in ("lm_head-cuda", "lm_head-cpu") if k in files]
     if "lm_head-cuda" not in files:
