@@ -38,15 +38,15 @@ def fwd_signature(variant: Variant) -> dict:
         "PartS_ptr": "*fp32",
         "PartArg_ptr": "*i32",
         "Cand_ptr": "*i64",
-        "T2D_ptr": "*i32",
+        "Order_ptr": "*i32",
         "Draft_ptr": "*fp32",
         "PartDM_ptr": "*fp32",
         "PartDS_ptr": "*fp32",
         "Tiles_ptr": "*i32",
     }
     ints = dict.fromkeys(
-        ["N", "V", "H", "n_vtiles", "n_rounds", "stride_ym", "stride_wv", "stride_lm", "stride_sm",
-         "stride_pm", "stride_cm", "stride_dm"], "i32",
+        ["N", "V", "H", "Vd", "n_vtiles", "n_rounds", "stride_ym", "stride_wv", "stride_lm",
+         "stride_sm", "stride_pm", "stride_cm", "stride_dm", "stride_dpm"], "i32",
     )  # fmt: skip
     return {**ptrs, **ints, "logit_scale": "fp32", "softcap": "fp32"}
 
@@ -96,9 +96,11 @@ def aot_variants() -> list[tuple[str, Variant]]:
     return out
 
 
-def compile_for(target, variant: Variant, n_rows: int = 8192, V: int = 151_936, H: int = 4096):
+def compile_for(
+    target, variant: Variant, n_rows: int = 8192, V: int = 151_936, H: int = 4096, Vd: int = 32_000
+):
     """Compile `lm_head_fwd_kernel` ahead of time with the launcher's own config for
-    (n_rows, V, H); returns (compiled kernel, config). Needs no GPU."""
+    (n_rows, V, H) and a draft vocabulary of Vd ids; returns (compiled kernel, config)."""
     cfg = default_config(variant, n_rows, V, H, interpret=False)
     sig = fwd_signature(variant)
     constexprs = fwd_constexprs(variant, cfg, interpret=False)
@@ -109,7 +111,7 @@ def compile_for(target, variant: Variant, n_rows: int = 8192, V: int = 151_936, 
     # what the JIT would specialise for these sizes: 16-byte aligned pointers, and ints
     # that are multiples of 16 (V=151,936, H=4096, N=8192 and their strides are)
     values = {"N": n_rows, "V": V, "H": H, "stride_ym": H, "stride_wv": H}
-    values.update(stride_lm=V, stride_sm=V)
+    values.update(stride_lm=V, stride_sm=V, Vd=Vd, stride_dm=Vd)
     attrs = {}
     for i, name in enumerate(names):
         if sig[name].startswith("*") or (name in values and values[name] % 16 == 0):

@@ -127,6 +127,8 @@ def fwd_constexprs(variant: Variant, cfg: Config, interpret: bool) -> dict:
         "HAS_TOPK": variant.topk,
         "HAS_DRAFT": variant.draft and not variant.tile_list,
         "DRAFT_TOPK": variant.draft_topk,
+        # draft tiles first: the vocabulary walk of every pass with a draft vocabulary
+        "HAS_ORDER": variant.draft or variant.draft_topk,
         "HAS_SOFTCAP": variant.softcap,
         # a draft top-k re-run needs only the draft columns' statistics
         "HAS_LSE": (variant.lse and not (variant.draft_topk and variant.tile_list))

@@ -6,8 +6,8 @@ neither libdevice nor a rounding fp32 -> 16-bit cast. A top-k key packs (fp32 va
 into one order-preserving int64, so "the k best (value, id) pairs" is a max over keys;
 `_triton_merge.unpack_keys` decodes them on the host. `store_candidates` extracts a tile's
 best pairs by repeated max, for the full vocabulary (ids = target ids) and for the draft
-columns (ids = draft indices) alike; `draft_epilogue` is the kernel's step over a tile's
-draft columns.
+columns (ids = draft indices) alike; `draft_tile` is the kernel's extra step on the draft
+tiles of the draft-first vocabulary walk (`lm_head_triton.py`).
 Limits: ids < 2^31 (31 bits of a key); `round_rne` is for the interpreter only.
 """
 
@@ -27,6 +27,14 @@ def tanh(x):
     t = tl.exp(-2.0 * tl.abs(x))
     th = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0, -th, th)
+
+
+@triton.jit
+def exp_shifted(x, m):
+    # exp(x - m[:, None]) as one FMA and one ex2 per element: exp2(x * log2(e) - m * log2(e))
+    # (tl.exp also lowers to ex2.approx, after a subtraction and a multiply)
+    log2e: tl.constexpr = 1.4426950408889634
+    return tl.exp2(x * log2e - (m * log2e)[:, None])
 
 
 @triton.jit
@@ -50,17 +58,31 @@ def round_rne(x, DST: tl.constexpr):
 
 
 @triton.jit
-def tile_argmax(logits, local, BLOCK_V: tl.constexpr):
-    # Row max and argmax (lowest column among maxima) of a [BLOCK_N, BLOCK_V] tile whose
-    # columns are `local` [BLOCK_V]; returns (the tile with NaN as +inf, max, argmax). NaN
-    # ranks as +inf: a backend's max may skip NaN (NVIDIA's max.f32, the interpreter's
-    # nanmax) or not, and a NaN max matches no column, so an all-NaN row would give the
-    # out-of-tile argmax BLOCK_V. With NaN gone, every max below is one of its row's values
-    # and every argmax, top-k and draft index stays in the tile. The sums of exp that follow
-    # still turn NaN (exp(inf - inf)), so lse and logprobs of such a row are NaN.
+def tile_argmax(logits, ids):
+    # Row max and argmax (lowest id among maxima) of a [BLOCK_N, BLOCK_V] tile whose columns
+    # hold the target ids `ids` [BLOCK_V] (in any order: the draft-first walk puts draft ids
+    # first); returns (the tile with NaN as +inf, max, argmax id). NaN ranks as +inf: a
+    # backend's max may skip NaN (NVIDIA's max.f32, the interpreter's nanmax) or not, and a
+    # NaN max matches no column, so an all-NaN row would have no argmax. With NaN gone, every
+    # max below is one of its row's values and every argmax, top-k and draft index stays in
+    # the tile. The sums of exp that follow still turn NaN (exp(inf - inf)), so lse and
+    # logprobs of such a row are NaN.
     logits = tl.where(logits == logits, logits, float("inf"))  # noqa: PLR0124 (NaN test)
     m = tl.max(logits, axis=1)
-    arg = tl.min(tl.where(logits == m[:, None], local[None, :], BLOCK_V), axis=1)
+    arg = tl.min(tl.where(logits == m[:, None], ids[None, :], 0x7FFFFFFF), axis=1)
+    return logits, m, arg
+
+
+@triton.jit
+def tile_stats(logits, ids, p_off, row_mask, PartM_ptr, PartArg_ptr, PartS_ptr, SUM: tl.constexpr):
+    # `tile_argmax`, its max and argmax stored at p_off, and with SUM the sum exp(l - max) (0
+    # for a row of -inf, not NaN); returns tile_argmax's (tile, max, argmax).
+    logits, m, arg = tile_argmax(logits, ids)
+    tl.store(PartM_ptr + p_off, m, mask=row_mask)
+    tl.store(PartArg_ptr + p_off, arg, mask=row_mask)
+    if SUM:
+        s = tl.sum(exp_shifted(logits, tl.where(m == float("-inf"), 0.0, m)), axis=1)
+        tl.store(PartS_ptr + p_off, s, mask=row_mask)
     return logits, m, arg
 
 
@@ -76,43 +98,55 @@ def pack_key(val, ids):
 
 
 @triton.jit
-def store_candidates(x, ids, best, best_id, c_ptrs, n_rounds, mask, id_base):
-    # Store the best n_rounds (value, id_base + id) of each row of x [BLOCK_N, BLOCK_V] as
-    # keys at c_ptrs + r, ties to the lower id, and return x with them set to -inf (so a sum
-    # over the rest is the mass outside the candidates). ids [BLOCK_V] rise along the tile
-    # over the columns that can be picked; best / best_id are round 0's, which the caller
-    # has. Rounds past the tile's finite values store KEY_NONE.
+def store_candidates(x, ids, best, best_id, c_ptrs, n_rounds, mask):
+    # Store the best n_rounds (value, id) of each row of x [BLOCK_N, BLOCK_V] as keys at
+    # c_ptrs + r, ties to the lower id, and return x with them set to -inf (so a sum over the
+    # rest is the mass outside the candidates). ids [BLOCK_V] are distinct over the columns
+    # that can be picked; best / best_id are round 0's, which the caller has. Rounds past the
+    # tile's finite values store KEY_NONE.
     for r in range(n_rounds):
         if r > 0:
             best = tl.max(x, axis=1)
             best_id = tl.min(tl.where(x == best[:, None], ids[None, :], 0x7FFFFFFF), axis=1)
-        tl.store(c_ptrs + r, pack_key(best, id_base + best_id), mask=mask)
+        tl.store(c_ptrs + r, pack_key(best, best_id), mask=mask)
         x = tl.where(ids[None, :] == best_id[:, None], float("-inf"), x)
     return x
 
 
 @triton.jit
-def draft_epilogue(
-    logits, cols, col_mask, rows64, row_mask, p_off, c_ptrs, n_rounds,
-    T2D_ptr, Draft_ptr, PartDM_ptr, PartDS_ptr, stride_dm,
+def draft_tile(
+    logits, pos, rows64, row_mask, d_off, c_ptrs, n_rounds, Vd,
+    Draft_ptr, PartDM_ptr, PartDS_ptr, stride_dm,
     HAS_DRAFT: tl.constexpr, DRAFT_TOPK: tl.constexpr,
 ):  # fmt: skip
-    # The draft columns of a tile (T2D: target id -> draft column, -1 if none): raw logits
-    # scattered to Draft (HAS_DRAFT), the tile's max over them and their sum exp. DRAFT_TOPK
-    # first stores their best n_rounds as candidate keys with draft indices for ids (rising
-    # along the tile, as draft ids are sorted), so the sum covers the other draft columns.
-    dcol = tl.load(T2D_ptr + cols, mask=col_mask, other=-1)
-    is_draft = dcol >= 0
+    # The epilogue's extra step on a draft tile of the draft-first walk: vocabulary positions
+    # `pos` < Vd are the draft columns, and a draft column's index IS its position, so the
+    # raw logits store dense and coalesced (HAS_DRAFT) with no target -> draft lookup. Then
+    # `draft_stats`; only the last draft tile masks its other columns, in a branch with
+    # stores (one outcome per tile: no per-logit select on the full draft tiles).
+    is_draft = pos < Vd
     if HAS_DRAFT:
-        d_ptrs = Draft_ptr + rows64[:, None] * stride_dm + dcol[None, :]
+        d_ptrs = Draft_ptr + rows64[:, None] * stride_dm + pos[None, :]
         tl.store(d_ptrs, logits, mask=row_mask[:, None] & is_draft[None, :])
-    dl = tl.where(is_draft[None, :], logits, float("-inf"))
+    stats = (row_mask, d_off, c_ptrs, n_rounds, PartDM_ptr, PartDS_ptr, DRAFT_TOPK)
+    if tl.max(pos, axis=0) >= Vd:
+        draft_stats(tl.where(is_draft[None, :], logits, float("-inf")), pos, *stats)
+    else:
+        draft_stats(logits, pos, *stats)
+
+
+@triton.jit
+def draft_stats(
+    dl, pos, row_mask, d_off, c_ptrs, n_rounds, PartDM_ptr, PartDS_ptr, DRAFT_TOPK: tl.constexpr
+):
+    # A draft tile's max over its draft columns (the others at -inf) and their sum exp;
+    # DRAFT_TOPK first stores their best n_rounds as candidate keys with draft indices (the
+    # positions) for ids, so the sum covers the other draft columns.
     dm = tl.max(dl, axis=1)
     dm_safe = tl.where(dm == float("-inf"), 0.0, dm)  # no draft column: sum 0, not NaN
-    tl.store(PartDM_ptr + p_off, dm, mask=row_mask)
+    tl.store(PartDM_ptr + d_off, dm, mask=row_mask)
     if DRAFT_TOPK:
-        dids = tl.where(is_draft, dcol, 0x7FFFFFFF)
-        d_best = tl.min(tl.where(dl == dm[:, None], dids[None, :], 0x7FFFFFFF), axis=1)
-        dl = store_candidates(dl, dids, dm, d_best, c_ptrs, n_rounds, row_mask, 0)
-    ds = tl.sum(tl.exp(dl - dm_safe[:, None]), axis=1)
-    tl.store(PartDS_ptr + p_off, ds, mask=row_mask)
+        d_best = tl.min(tl.where(dl == dm[:, None], pos[None, :], 0x7FFFFFFF), axis=1)
+        dl = store_candidates(dl, pos, dm, d_best, c_ptrs, n_rounds, row_mask)
+    ds = tl.sum(exp_shifted(dl, dm_safe), axis=1)
+    tl.store(PartDS_ptr + d_off, ds, mask=row_mask)

@@ -4,7 +4,9 @@ Design: `lm_head_fwd_kernel` leaves, per (row, vocab tile), a max, a sum of exp 
 argmax, top-k candidates as int64 keys (`_triton_jit.pack_key`; target ids, or draft indices
 for the draft top-k) and draft statistics, in a `Scratch`. Torch merges them: lse by
 logaddexp over tiles, top-k by torch.topk over the keys, and the mass outside the top-k
-summed directly from the non-selected terms, never as 1 - sum(top-k). The same merge serves the draft top-k on the draft columns' statistics.
+summed directly from the non-selected terms, never as 1 - sum(top-k). The same merge serves
+the draft top-k on the draft tiles' statistics; the argmax merge takes the lowest id among the
+tiles holding the max, whatever order they walk the vocabulary in (`draft_first_order`).
 `candidate_rounds` sizes the candidates per tile, `saturated_tiles` finds the tiles whose
 candidates may hide more of a row's top-k (the launcher re-runs those).
 Limits: statistics are merged in float64 on [rows, tiles] buffers; a candidate costs its 8 B
@@ -22,17 +24,18 @@ from ._triton_jit import KEY_NONE
 
 @dataclass
 class Scratch:
-    """Per-launch scratch for R rows and T vocab tiles (lm_head_triton.py bounds its size)."""
+    """Per-launch scratch for R rows, T vocab tiles of which TD are draft tiles, and top-k
+    candidates on C tiles (T for top-k, TD for the draft top-k); lm_head_triton.py bounds it."""
 
     part_m: torch.Tensor  # [R, T] fp32
     part_s: torch.Tensor  # [R, T] fp32
     part_arg: torch.Tensor  # [R, T] int32
-    cand: torch.Tensor  # [R, T, n_rounds] int64 (top-k, draft top-k) or a 1-element dummy
-    part_dm: torch.Tensor  # [R, T] fp32 (draft, draft top-k) or dummy
-    part_ds: torch.Tensor  # [R, T] fp32 (draft, draft top-k) or dummy
+    cand: torch.Tensor  # [R, C, n_rounds] int64 (top-k, draft top-k) or a 1-element dummy
+    part_dm: torch.Tensor  # [R, TD] fp32 (draft, draft top-k) or dummy
+    part_ds: torch.Tensor  # [R, TD] fp32 (draft, draft top-k) or dummy
 
     @staticmethod
-    def alloc(rows: int, T: int, n_rounds: int, draft: bool, device) -> Scratch:
+    def alloc(rows: int, T: int, C: int, n_rounds: int, TD: int, device) -> Scratch:
         f32 = {"dtype": torch.float32, "device": device}
         dummy = torch.empty(1, **f32)
         return Scratch(
@@ -40,16 +43,36 @@ class Scratch:
             part_s=torch.empty((rows, T), **f32),
             part_arg=torch.empty((rows, T), dtype=torch.int32, device=device),
             cand=torch.empty(
-                (rows, T, n_rounds) if n_rounds else (1,), dtype=torch.int64, device=device
+                (rows, C, n_rounds) if n_rounds else (1,), dtype=torch.int64, device=device
             ),
-            part_dm=torch.empty((rows, T), **f32) if draft else dummy,
-            part_ds=torch.empty((rows, T), **f32) if draft else dummy,
+            part_dm=torch.empty((rows, TD), **f32) if TD else dummy,
+            part_ds=torch.empty((rows, TD), **f32) if TD else dummy,
         )
 
     @staticmethod
-    def bytes_per_row(T: int, n_rounds: int, draft: bool) -> int:
+    def bytes_per_row(T: int, C: int, n_rounds: int, TD: int) -> int:
         # a top-k candidate: its 8 B key plus up to ~24 B of transients in merge_topk
-        return T * (12 + (8 if draft else 0) + 32 * n_rounds)
+        return T * 12 + TD * 8 + C * 32 * n_rounds
+
+
+def draft_first_order(draft_ids: torch.Tensor, V: int):
+    """The draft-first walk of the vocabulary: (order int32 [V], the target id at each
+    position: the Vd draft ids ascending, then the other ids ascending; in_draft bool [V]).
+    Device ops only (a cumsum and a scatter): no host synchronisation."""
+    device = draft_ids.device
+    in_draft = torch.zeros(V, dtype=torch.bool, device=device).index_fill_(0, draft_ids, True)
+    ids = torch.arange(V, device=device)
+    drafts_below = torch.cumsum(in_draft, 0) - in_draft.long()  # draft ids < id
+    pos = torch.where(in_draft, drafts_below, draft_ids.numel() + ids - drafts_below)
+    order = torch.empty(V, dtype=torch.int32, device=device).scatter_(0, pos, ids.int())
+    return order, in_draft
+
+
+def merge_argmax(part_m: torch.Tensor, part_arg: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: the lowest target id among the tiles holding the row max (tiles may walk
+    the vocabulary in any order; each tile's argmax is its lowest id among its maxima)."""
+    top = part_m.amax(dim=1, keepdim=True)
+    return torch.where(part_m == top, part_arg, 2**31 - 1).amin(dim=1).long()
 
 
 def merge_lse(part_m: torch.Tensor, part_s: torch.Tensor) -> torch.Tensor:
@@ -95,20 +118,21 @@ def remerge_topk(keys, part_m, part_s, tiles, keys2, part_m2, part_s2, k: int):
     return merge_topk(part_m, part_s, keys, k)
 
 
-def tile_lengths(V: int, block_v: int, draft_ids: torch.Tensor | None, device) -> torch.Tensor:
-    """[T] int64: ids per vocab tile that can be top-k candidates, the tile's width, or with
-    `draft_ids` (a top-k over the draft columns) the draft ids it holds."""
-    T = -(-V // block_v)
-    if draft_ids is not None:
-        return torch.bincount(draft_ids // block_v, minlength=T)
-    return (V - torch.arange(T, device=device) * block_v).clamp_(max=block_v)
+def tile_lengths(count: int, block_v: int, device) -> torch.Tensor:
+    """[cdiv(count, block_v)] int64: ids per tile that can be top-k candidates, when `count`
+    of them fill the walk's tiles from the first (V for top-k; Vd, the draft tiles, for the
+    draft top-k). Device arithmetic, no copy from the host."""
+    T = -(-count // block_v)
+    return (count - torch.arange(T, device=device) * block_v).clamp_(max=block_v)
 
 
-def candidate_rounds(lens: torch.Tensor, k: int, first_pass: int, exact: bool) -> int:
-    """Top-k candidates per (row, tile) for tiles of `lens` ids: min(k, fullest tile) is
-    exact; a first pass keeps `first_pass` when that is fewer (unless the tiles could then
-    not hold k candidates between them)."""
-    fullest, capacity = torch.stack([lens.max(), lens.clamp(max=first_pass).sum()]).tolist()
+def candidate_rounds(count: int, block_v: int, k: int, first_pass: int, exact: bool) -> int:
+    """Top-k candidates per (row, tile) for `count` ids filling tiles of `block_v`:
+    min(k, fullest tile) is exact; a first pass keeps `first_pass` when that is fewer
+    (unless the tiles could then not hold k candidates between them). Host integers only."""
+    full_tiles, last = divmod(count, block_v)
+    fullest = block_v if full_tiles else last
+    capacity = full_tiles * min(block_v, first_pass) + min(last, first_pass)
     full = min(k, fullest)
     return full if exact or full <= first_pass or capacity < k else first_pass
 
@@ -131,3 +155,13 @@ def key_values(keys: torch.Tensor) -> torch.Tensor:
 def unpack_keys(keys: torch.Tensor):
     """Inverse of `pack_key`: (fp32 values, int64 ids)."""
     return key_values(keys), 0x7FFFFFFF - (keys & 0xFFFFFFFF)
+
+
+def write_topk(out, prefix: str, rows, top: torch.Tensor, tail, lse64) -> None:
+    """out.topk_* (prefix "topk": ids = target ids) or out.draft_topk_* (ids = draft indices,
+    lse64 the draft vocabulary's) for `rows`, from merged keys `top` and the tail mass."""
+    vals, ids = unpack_keys(top)
+    getattr(out, prefix + "_ids")[rows] = ids
+    logprobs = getattr(out, prefix + "_logprobs")
+    logprobs[rows] = (vals.double() - lse64[:, None]).to(logprobs.dtype)
+    getattr(out, prefix + "_tail")[rows] = tail.clamp(0.0, 1.0).float()

@@ -3,8 +3,9 @@
 What: one launch of the fused kernel per call; the exact re-run of rows whose draft top-k
 crowds one vocab tile; exact ties (integer logits) to the lower draft index, across tiles
 and across the re-run boundary; k = Vd; no [N, Vd] tensor unless "draft" is asked for too.
-All against the float64 oracle, in the interpreter (tiles 512 wide: V=1100 gives 3); one
-`gpu` test runs the compiled kernel at a moderate size.
+All against the float64 oracle, in the interpreter (tiles 512 wide; draft ids are walked
+first, so more than 512 of them make several draft tiles); one `gpu` test runs the compiled
+kernel at a moderate size.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def launches(monkeypatch):
 
     def spy(kernel, grid, interpret, *args, **kw):
         if kernel is lm.lm_head_fwd_kernel:
-            seen.append((kw["DRAFT_TOPK"], kw["HAS_TILE_LIST"], args[17]))
+            seen.append((kw["DRAFT_TOPK"], kw["HAS_TILE_LIST"], args[18]))
         return real(kernel, grid, interpret, *args, **kw)
 
     monkeypatch.setattr(lm, "run_kernel", spy)
@@ -94,12 +95,14 @@ def test_crowded_draft_tiles_are_recomputed_exactly(rounds, k, outputs, monkeypa
 
     monkeypatch.setattr(lm._Head, "_redo_topk", spy)
     g = torch.Generator().manual_seed(3)
-    N, V = 20, 1100
+    N, V = 20, 2200
     logits = torch.randint(-40, 20, (N, V), generator=g).float()
-    draft = torch.arange(1, V, 3)  # every tile holds draft and non-draft columns
+    # 1100 draft ids: the draft-first walk puts them in 3 tiles (512, 512, 76 of them; the
+    # last also holds 436 non-draft ids), and 2 more tiles hold the rest of the vocabulary
+    draft = torch.arange(1, V, 2)
     crowded = [0, 4, 9, 19]
-    for r in crowded:  # the row's best draft columns, with ties, inside one tile
-        cols = draft[(draft >= 512 * (r % 3)) & (draft < 512 * (r % 3) + 512)][: k + 2]
+    for r in crowded:  # the row's best draft columns, with ties, inside one draft tile
+        cols = draft[512 * (r % 3) :][: k + 2]
         logits[r, cols] = 30.0 + torch.arange(k + 2).remainder(4).float()
         logits[r, cols[0] - 1] = 45.0  # a non-draft column holds the full-vocab argmax
     hidden, weight = _int_logit_inputs(logits)
@@ -124,11 +127,12 @@ def test_crowded_draft_tiles_are_recomputed_exactly(rounds, k, outputs, monkeypa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_draft_topk_exact_ties_go_to_lower_index(rounds, k, dtype, gen, monkeypatch):
     # Integer logits with every value repeated: the k-th place is tied, the ties straddle
-    # the 3 tiles and (rounds=2) the candidates kept per tile; the lower draft index wins.
+    # the 3 draft tiles (1500 draft ids walked first) and (rounds=2) the candidates kept per
+    # tile; the lower draft index wins.
     monkeypatch.setattr(lm, "_TOPK_ROUNDS", rounds)
-    N, H, V = 9, 32, 1100
+    N, H, V = 9, 32, 2200
     hidden, weight = tie_inputs(gen, N, H, V, dtype, n_distinct=12)
-    draft = random_draft(gen, V, 300)
+    draft = random_draft(gen, V, 1500)
     out = lm_head(hidden, weight, None, norm="none", outputs=("draft_topk",), k=k,
                   draft_ids=draft, impl="triton")  # fmt: skip
     oracle = lm_head_oracle(hidden, weight, None, norm="none", k=k, draft_ids=draft)
