@@ -62,8 +62,10 @@ def field_sizes(layout: Layout) -> list[FieldSize]:
     out = []
     for name, f in layout.fields().items():
         dtype, shape = _dtype(f["dtype"]), list(f["shape"])
-        if "T" in shape:  # per token; the other dims (specforge's leading 1 too) are its elements
-            out.append(FieldSize(name, dtype, tuple(d for d in shape if d != "T"), "token"))
+        if "T" in shape:  # per token; other dims are its elements (specforge's leading 1 is none)
+            t = shape.index("T")
+            trailing = tuple(d for d in shape[:t] if d != 1) + tuple(shape[t + 1:])
+            out.append(FieldSize(name, dtype, trailing, "token"))
         elif shape and shape[0] == layout.spec.max_len:  # padded to seq_length
             out.append(FieldSize(name, dtype, tuple(shape[1:]), "position"))
         else:
