@@ -4,7 +4,8 @@ Its offline reader, normaliser, collator and FeatureDataLoader load the dataset;
 Eagle3TrainStrategy.forward_loss runs a training step with its own TargetHead, and the target
 distribution it builds from our stored hidden states is NeMo AutoModel's in-process one. Also:
 the files against SpecForge's storage contract and HF's own hidden states, SpecForge's default
-aux layers, the fp8 refusal, and a crashed run resumed to the same bytes.
+aux layers, the fp8 refusal, a crashed run resumed to the same bytes, and a tied target's logits
+through its TargetHead (which needs `lm_head_key: model.embed_tokens.weight`).
 Only the test swaps SpecForge's Triton loss for its reference loss and turns torch.compile off
 (SpecForge's CPU limits); everything else is SpecForge's code as installed.
 """
@@ -183,3 +184,24 @@ def test_crashed_run_resumes_to_the_same_bytes(tmp_path, tiny_llama):
     assert tree_digest(tmp_path / "run", skip_manifest=True) == tree_digest(tmp_path / "ref", skip_manifest=True)
     d = torch.load(str(tmp_path / "run" / "rows_0-2000" / "data_0.ckpt"), weights_only=True, mmap=True)
     assert d["aux_hidden_state"].dtype == d["hidden_state"].dtype == torch.bfloat16
+
+
+def test_tied_target_needs_lm_head_key(tiny_qwen3, tmp_path):
+    from specforge.modeling.target.target_head import TargetHead
+    from transformers import AutoModelForCausalLM
+
+    data = write_jsonl(tmp_path / "d.jsonl", chat_lines(2))
+    extract_cli("--model", tiny_qwen3, "--data", data, "--out", tmp_path / "sf", "--dtype", "fp32", "--max-len", 32,
+                "--format", "specforge")
+    target_dir = with_index_json(tiny_qwen3, tmp_path / "target")
+    head = TargetHead(str(target_dir))
+    with pytest.raises(KeyError, match="lm_head.weight"):  # SpecForge's default key: no such tensor when tied
+        head.load_weights(str(target_dir))
+    head.load_weights(str(target_dir), lm_head_key="model.embed_tokens.weight")
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32)
+    for path in sorted((tmp_path / "sf").rglob("*.ckpt")):
+        d = torch.load(str(path), weights_only=True, mmap=True)
+        with torch.no_grad():
+            want = hf(d["input_ids"][None]).logits
+            got = head(d["hidden_state"])
+        assert_close(got, want, atol=1e-5, rtol=1e-5, name=f"{path.name}: TargetHead logits")
