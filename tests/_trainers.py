@@ -39,7 +39,7 @@ def with_index_json(model: Path, out: Path) -> Path:
     weight_map = {}
     for f in sorted(model.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            weight_map.update({k: f.name for k in h.keys()})
+            weight_map.update(dict.fromkeys(h.keys(), f.name))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
 

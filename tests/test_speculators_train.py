@@ -92,7 +92,7 @@ def _step(model, batch):
 
 @pytest.mark.parametrize("run", ["bf16", "fp8"])
 def test_speculators_reads_and_trains_on_our_dataset(sp, tiny_llama, run):
-    dirs, vocab, plan = sp
+    dirs, _, plan = sp
     batch = _batch(dirs[run], RUNS[run][1], torch.bfloat16)
     n = sum(s.length - 1 for s in plan.samples)  # shift_batch drops one row per sample
     assert_ids_equal(batch["input_ids"][0, :n], torch.tensor([t for s in plan.samples for t in s.input_ids[1:]]),
@@ -130,7 +130,7 @@ def test_speculators_reads_and_trains_on_our_dataset(sp, tiny_llama, run):
 
 
 def test_speculators_targets_equal_nemos(sp, tiny_llama, monkeypatch, nemo_reference):
-    import speculators.models.eagle3.core as core
+    from speculators.models.eagle3 import core
 
     dirs, vocab, plan = sp
     batch = _batch(dirs["fp32"], "auto", torch.float32)

@@ -54,9 +54,12 @@ from eagle_fast.store.manifest import (
 from eagle_fast.store.nemo import nemo_manifest_fields, write_target_embeddings
 from eagle_fast.store.safetensors import write_safetensors
 from eagle_fast.store.specforge import VOCAB_MAPPING, write_vocab_mapping
-from eagle_fast.store.speculators import vocab_file_names, write_speculators_arrow, write_speculators_vocab
+from eagle_fast.store.speculators import (
+    vocab_file_names,
+    write_speculators_arrow,
+    write_speculators_vocab,
+)
 from eagle_fast.vocab import DraftVocab, load_draft_vocab
-
 
 # Formats whose trainer reads the draft vocabulary from the dataset directory, so --draft-vocab
 # applies to them whatever they store (nemo: selected_token_ids; speculators: d2t/t2d .npy;
