@@ -38,6 +38,8 @@ examples:
   eagle-fast verify  ds/ --model ./Qwen3-8B
   eagle-fast serve   --model ./Qwen3-8B --port 8001   (NeMo trainer: target_model_backend: remote)
   eagle-fast extract ... --out ds/ --shard 0/4      (one node of four; then `eagle-fast merge ds/`)
+  eagle-fast extract ... --out sf/ --format specforge   (SpecForge: data.hidden_states_path: sf/)
+  eagle-fast extract ... --out sp/ --format speculators (speculators train --data-path sp/)
   eagle-fast extract ... --out /shared/ds/ --ray    (Ray workers; RAY_ADDRESS or a local instance)
   eagle-fast extract ... -tp 4 --gpu-memory-utilization 0.85 --engine-args '{"max_num_seqs": 64}'
 """
