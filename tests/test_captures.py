@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -100,11 +101,16 @@ def test_run_ahead_never_gets_more_than_depth_ahead():
             fourth.set()
         return item
 
-    stream = run_ahead(range(10), engine, depth=2, discard=lambda *a: None)
+    stats = AheadStats()
+    stream = run_ahead(range(10), engine, depth=2, discard=lambda *a: None, stats=stats)
     assert next(stream) == (0, 0)
-    # 0 is held here, 1 and 2 wait, 3 is made but cannot be handed over: the engine stops there
+    # 0 is held here, 1 and 2 wait, 3 is made but cannot be handed over: the engine stops there,
+    # and says so (`held`) before it could take item 4 from the iterator
     assert fourth.wait(DEADLINE_S)
-    assert not threading.Event().wait(0.3)  # give an unbounded engine time to run on
+    deadline = time.monotonic() + DEADLINE_S
+    while stats.held == 0:
+        assert time.monotonic() < deadline, f"the engine never waited for room; calls {calls}"
+        time.sleep(0.01)
     assert calls == [0, 1, 2, 3]
     assert [i for i, _ in stream] == list(range(1, 10))
 

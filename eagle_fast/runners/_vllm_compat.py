@@ -313,10 +313,17 @@ def output_token_ids(output) -> list[int]:
     return list(output.prompt_token_ids)
 
 
-def hidden_states_path(output) -> str:
+def capture_path(output) -> str | None:
+    """The capture file the connector named for one request's output (None: it named none)."""
     params = getattr(output, "kv_transfer_params", None) or {}
-    path = params.get("hidden_states_path")
-    if not path:
+    return params.get("hidden_states_path") or None
+
+
+def hidden_states_path(output) -> str:
+    """`capture_path`, raising when the connector named no file."""
+    path = capture_path(output)
+    if path is None:
+        params = getattr(output, "kv_transfer_params", None)
         raise RuntimeError(
             f"vLLM returned no hidden_states_path for request {getattr(output, 'request_id', '?')} "
             f"(kv_transfer_params={params!r}); the hidden-states connector did not run"

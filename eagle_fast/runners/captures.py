@@ -88,11 +88,13 @@ def scan_rows(x: torch.Tensor) -> RowScan:
 
 @dataclass
 class AheadStats:
-    """Where the engine thread's time went in one `run_ahead` stream (seconds)."""
+    """Where the engine thread's time went in one `run_ahead` stream (seconds), and how often
+    it found the consumer `depth` results behind."""
 
     engine: float = 0.0  # inside the engine call
     waiting: float = 0.0  # holding a finished batch because the consumer was behind
     total: float = 0.0  # from the first engine call's start to the last one's end
+    held: int = 0  # results that waited for room (the consumer held `depth` already)
 
     @property
     def busy_fraction(self) -> float:
@@ -128,6 +130,11 @@ def run_ahead(
     stats = stats if stats is not None else AheadStats()
 
     def hand_over(entry) -> bool:
+        try:
+            done.put_nowait(entry)
+            return True
+        except queue.Full:
+            stats.held += 1
         while not stop.is_set():
             try:
                 done.put(entry, timeout=0.05)

@@ -323,15 +323,12 @@ class VLLMTargetRunner(RunnerBase):
 
     @staticmethod
     def _discard_outputs(sequences, outputs) -> None:
-        for out in outputs:
-            params = getattr(out, "kv_transfer_params", None) or {}
-            if params.get("hidden_states_path"):
-                compat.discard(params["hidden_states_path"])
+        for path in filter(None, map(compat.capture_path, outputs)):
+            compat.discard(path)
 
     def _read(self, sequences: list[list[int]], outputs: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Read, check and split one engine call's files; every file is read once and deleted."""
-        pending = [getattr(o, "kv_transfer_params", None) or {} for o in outputs]
-        pending = [p["hidden_states_path"] for p in pending if p.get("hidden_states_path")]
+        pending = list(filter(None, map(compat.capture_path, outputs)))
         try:
             captures = []
             for i, (seq, out) in enumerate(zip(sequences, outputs)):
