@@ -105,16 +105,29 @@ import eagle_fast.pipeline.run as ex
 from eagle_fast.runners.vllm import VLLMTargetRunner
 
 KW = json.loads(sys.argv[1])
+MANIFEST = sys.argv[sys.argv.index("--out") + 1] + "/manifest.json"
 _compute = ex.supervise_batch
 
 
-def slow(*args, **kwargs):  # leave the test time to kill the run between two shards
+def shards_done():
+    try:
+        with open(MANIFEST) as f:
+            return len(json.load(f)["shards"])
+    except (OSError, ValueError, KeyError):
+        return 0  # not written yet
+
+
+def held(*args, **kwargs):  # once two shards are in, the run waits here, mid-shard, to be killed
     out = _compute(*args, **kwargs)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 300
+    while shards_done() >= 2:
+        if time.monotonic() > deadline:
+            raise SystemExit("the test never killed the run")
+        time.sleep(0.05)
     return out
 
 
-ex.supervise_batch = slow
+ex.supervise_batch = held
 ex.default_runner_factory = lambda engine, model, dtype, max_len, **_: VLLMTargetRunner.build(
     model, dtype=dtype, vllm_kwargs=dict(KW))  # the same engine settings as the shared engine
 

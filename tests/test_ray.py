@@ -190,14 +190,24 @@ def test_an_unreachable_cluster_is_refused_at_once(inputs, tiny_llama, tmp_path,
 
 # ------------------------------------------------------------------- the CLI, its own Ray
 
-# `eagle-fast` with a runner factory that slows each engine call (time to kill the driver
-# mid-run) or fails after a few (a failed run); it travels to the Ray workers by value.
+# `eagle-fast` with a runner factory whose engine calls hold once a shard is in the manifest
+# (the driver is killed mid-run) or fail after a few (a failed run); it travels to the Ray
+# workers by value.
 _DRIVER = r"""
-import sys, time
+import json, sys, time
 import eagle_fast.pipeline.run as ex
 
 MODE = sys.argv[1]
+MANIFEST = sys.argv[sys.argv.index("--out") + 1] + "/manifest.json"
 _build = ex.default_runner_factory
+
+
+def shards_done():
+    try:
+        with open(MANIFEST) as f:
+            return len(json.load(f)["shards"])
+    except (OSError, ValueError, KeyError):
+        return 0  # not written yet
 
 
 class Runner:
@@ -213,7 +223,11 @@ class Runner:
         self.calls += 1
         if MODE == "fail" and self.calls == 5:  # each worker's fifth call: after a shard or two
             raise RuntimeError("engine died")
-        time.sleep(0.3 if MODE == "slow" else 0.0)
+        deadline = time.monotonic() + 300
+        while MODE == "held" and shards_done() >= 1:  # wait here, mid-run, for the kill
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test never killed the run")
+            time.sleep(0.05)
         return self.runner.capture(seqs)
 
 
@@ -259,7 +273,7 @@ def test_cli_driver_killed_mid_run_resumes_and_leaves_no_ray_process(inputs, tin
     out = tmp_path / "out"
     argv = argv_for(tiny_llama, data, out)
     mark = uuid.uuid4().hex
-    proc = _cli(tmp_path, "slow", argv, mark)
+    proc = _cli(tmp_path, "held", argv, mark)
     manifest = out / "manifest.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
