@@ -33,6 +33,7 @@ from safetensors import safe_open
 
 from eagle_fast.errors import UserError
 from eagle_fast.kernels import lm_head, lm_head_logits
+from eagle_fast.kernels.lm_head_torch import normalize
 
 __all__ = ["HeadSpec", "TargetHead", "check_finite", "head_spec_from_config", "text_config"]
 
@@ -416,14 +417,10 @@ class TargetHead:
         out: torch.Tensor | list[torch.Tensor] | None = None,
         impl: str = "auto",
     ):
-        """Full-vocabulary fp32 logits `[..., V]` (what the drop-in `forward_eagle3` returns).
-
-        `out` receives them in place and is returned: an fp32 `[..., V]` tensor holding the rows,
-        or a list of fp32 `[n_i, V]` row pieces (see `eagle_fast.kernels.lm_head_logits`), on
-        the head's device. impl="auto"/"torch" runs `lm_head_logits` (no reductions); "triton"
-        the fused kernel.
-        """
-
+        """Full-vocabulary fp32 logits `[..., V]` (what the drop-in `forward_eagle3` returns), into
+        `out` (returned) when given: an fp32 `[..., V]` tensor or a list of fp32 `[n_i, V]` row
+        pieces (`kernels.lm_head_logits`), on the head's device. impl="auto"/"torch" runs
+        `lm_head_logits` (no reductions); "triton" the fused kernel."""
         if impl == "triton":
             logits = self.compute(final_hidden, ("logits",), impl=impl).logits
             if out is None:
@@ -438,6 +435,13 @@ class TargetHead:
         return lm_head_logits(
             self._on_device(final_hidden), self.lm_head_weight, **self._norm_args(), out=out
         )
+
+    def final_norm(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm alone: the post-norm hidden state `[..., H]` in the head's dtype and on its
+        device, rounded as the served model rounds it (what SGLang captures as the last hidden)."""
+        weight = self.norm_weight if self.spec.norm != "none" else None
+        return normalize(self._on_device(final_hidden), weight, eps=self.spec.eps, norm=self.spec.norm,
+                         dtype=self.dtype)
 
     def _on_device(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.to(device=self.device, dtype=self.dtype)

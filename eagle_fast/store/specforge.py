@@ -22,7 +22,6 @@ import torch
 from eagle_fast.dtypes import long_name
 from eagle_fast.files import atomic_write_bytes
 from eagle_fast.inputs import ShardPlan
-from eagle_fast.kernels.lm_head_torch import normalize
 from eagle_fast.store.layouts import Layout, ShardSink
 from eagle_fast.store.manifest import file_record
 
@@ -41,9 +40,7 @@ class SpecForgeLayout(Layout):
 
     def final_hidden(self, head, final):
         """After the final norm, rounded as the served model rounds it (what SGLang captures)."""
-        x = final.to(device=head.device, dtype=head.dtype)
-        weight = head.norm_weight if head.spec.norm != "none" else None
-        return normalize(x, weight, eps=head.spec.eps, norm=head.spec.norm, dtype=head.dtype)
+        return head.final_norm(final)
 
     def fields(self):
         s = self.spec
