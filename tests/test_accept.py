@@ -14,12 +14,11 @@ miss it, so the bound is one that real data faults cross.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _bench import load_bench
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_LINES, STEPS = 96, 40
@@ -30,11 +29,7 @@ LOSS_BOUND = 0.005
 
 
 def _accept():
-    spec = importlib.util.spec_from_file_location("eagle_fast_bench_accept", REPO / "bench" / "accept.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("accept")
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,11 @@ the docs quote is the one bench/run.py derives from the recorded runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from _bench import load_bench
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = sorted((REPO / "bench" / "results").glob("*.json"))
@@ -28,10 +28,7 @@ def test_result_names_its_device_and_isa(path):
 
 
 def _run_py():
-    spec = importlib.util.spec_from_file_location("eagle_fast_bench_run", REPO / "bench" / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("run")
 
 
 def test_make_bench_duration_is_one_figure_from_the_recorded_runs():

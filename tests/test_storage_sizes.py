@@ -117,12 +117,9 @@ def test_unknown_layout_option_is_a_type_error():
 
 
 def test_storage_table_finds_the_options_the_layouts_declare():
-    import importlib.util
+    from _bench import load_bench
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "storage_table.py"
-    spec = importlib.util.spec_from_file_location("storage_table", path)
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = load_bench("storage_table")
     rows = table.options()
     assert ("native", "draft", 0, "auto") in rows and ("speculators", "hidden", 0, "auto") in rows
     assert not [r for r in rows if r[0] == "speculators" and r[1] != "hidden"]  # refused kinds are left out
