@@ -48,6 +48,7 @@ from ._common import HeadOutput, HeadRequest, empty_output, phase
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
 from ._torch_draft import draft_log_softmax, draft_topk_outputs
 from ._torch_running import RunningTopK, update_argmax
+from ._torch_screen import screen_enabled, screen_rest
 
 # CPU tiling: a [R, C] fp32 logits tile of 4 MiB (R = 1024 rows at C = 1024) and an fp32
 # weight chunk [C, H] of at most 4 MiB (C = 1024 columns up to H = 1024). Time barely depends on
@@ -325,7 +326,11 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
             starts = torch.tensor([c0 for c0, _ in chunks] + [V], device=dev)
             bounds = torch.searchsorted(draft_ids, starts).tolist()
 
+    # ("draft", "argmax") past the draft range: a bf16 screen, verified (`_torch_screen`)
+    screen = draft_first and not (need_lse or k) and screen_enabled(y, req.logit_scale, req.softcap)
     for j, (c0, c1) in enumerate(chunks):
+        if screen and c0 == Vd and screen_rest(weight, y, order, Vd, C, R, run_max, run_arg):
+            break
         c = c1 - c0
         ids = None if order is None else order[c0:c1]
         w_chunk, w32 = _weight_chunk(weight, c0, c1, ids, w_buf, gather_buf)
