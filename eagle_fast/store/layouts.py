@@ -153,6 +153,30 @@ class ShardSink:
         raise NotImplementedError
 
 
+class FilePerSampleSink(ShardSink):
+    """A shard as one file per sample (speculators, SpecForge): `write_file(path, encoded)`
+    writes (atomically) the file `path_of(sample index)` names under the root and returns its
+    path; the shard's records are those files, in sample order."""
+
+    def __init__(self, root: Path, shard: ShardPlan, path_of, write_file):
+        super().__init__(root)
+        self.shard, self.path_of, self.write_file = shard, path_of, write_file
+        self.paths: dict[int, Path] = {}
+
+    def write(self, local_index, encoded):
+        index = self.shard.samples[local_index].index
+        self.paths[local_index] = self.write_file(self.root / self.path_of(index), encoded)
+
+    def commit(self):
+        missing = [i for i in range(len(self.shard.samples)) if i not in self.paths]
+        if missing:
+            raise RuntimeError(f"shard {self.shard.index}: samples {missing[:5]} never written")
+        return [file_record(self.paths[i], self.root) for i in range(len(self.shard.samples))]
+
+    def abort(self):
+        pass  # written files are complete samples; the shard is redone as a whole
+
+
 def shard_file_name(index: int) -> str:
     return f"shard-{index:06d}.safetensors"
 

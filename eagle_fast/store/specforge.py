@@ -21,8 +21,7 @@ import torch
 
 from eagle_fast.dtypes import long_name
 from eagle_fast.files import atomic_write_bytes
-from eagle_fast.inputs import ShardPlan
-from eagle_fast.store.layouts import Layout, ShardSink
+from eagle_fast.store.layouts import FilePerSampleSink, Layout
 from eagle_fast.store.manifest import file_record
 
 ROWS_PER_DIR = 2000           # SpecForge's prepare_hidden_states: rows_{g}-{g+2000}
@@ -73,7 +72,7 @@ class SpecForgeLayout(Layout):
         return [self.sample_path(s.index) for s in shard.samples]
 
     def open_shard(self, root, shard):
-        return SpecForgeSink(root, shard)
+        return FilePerSampleSink(root, shard, self.sample_path, save_torch)
 
     def read_sample(self, root, shard_record, local_index, handles=None):
         path = root / shard_record["files"][local_index]["path"]
@@ -86,28 +85,6 @@ def save_torch(path: Path, obj, tag: str = "") -> Path:
     torch.save(obj, buf)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_bytes(path, buf.getvalue(), tag)
-
-
-class SpecForgeSink(ShardSink):
-    """One .ckpt per sample, each committed (renamed) as it is written."""
-
-    def __init__(self, root: Path, shard: ShardPlan):
-        super().__init__(root)
-        self.shard = shard
-        self.paths: dict[int, Path] = {}
-
-    def write(self, local_index, encoded):
-        index = self.shard.samples[local_index].index
-        self.paths[local_index] = save_torch(self.root / SpecForgeLayout.sample_path(index), encoded)
-
-    def commit(self):
-        missing = [i for i in range(len(self.shard.samples)) if i not in self.paths]
-        if missing:
-            raise RuntimeError(f"shard {self.shard.index}: samples {missing[:5]} never written")
-        return [file_record(self.paths[i], self.root) for i in range(len(self.shard.samples))]
-
-    def abort(self):
-        pass  # written files are complete samples; the shard is redone as a whole
 
 
 def write_vocab_mapping(root: Path, d2t: torch.Tensor, t2d: torch.Tensor, tag: str = "") -> dict:

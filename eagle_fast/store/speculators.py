@@ -26,9 +26,8 @@ from safetensors.torch import load_file
 
 from eagle_fast.dtypes import long_name
 from eagle_fast.files import atomic_write_bytes, fsync_dir
-from eagle_fast.inputs import ShardPlan
 from eagle_fast.store.fp8 import quantize, stored_dtype
-from eagle_fast.store.layouts import Layout, ShardSink
+from eagle_fast.store.layouts import FilePerSampleSink, Layout
 from eagle_fast.store.manifest import file_record
 from eagle_fast.store.safetensors import write_safetensors
 
@@ -81,31 +80,10 @@ class SpeculatorsLayout(Layout):
 
     def open_shard(self, root, shard):
         (root / self.SUBDIR).mkdir(parents=True, exist_ok=True)
-        return _SpeculatorsSink(root, shard)
+        return FilePerSampleSink(root, shard, self.sample_path, write_safetensors)
 
     def read_sample(self, root, shard_record, local_index, handles=None):
         return load_file(str(root / shard_record["files"][local_index]["path"]))
-
-
-class _SpeculatorsSink(ShardSink):
-    def __init__(self, root: Path, shard: ShardPlan):
-        super().__init__(root)
-        self.shard = shard
-        self.paths: dict[int, Path] = {}
-
-    def write(self, local_index, encoded):
-        index = self.shard.samples[local_index].index
-        path = self.root / SpeculatorsLayout.sample_path(index)
-        self.paths[local_index] = write_safetensors(path, encoded)
-
-    def commit(self):
-        missing = [i for i in range(len(self.shard.samples)) if i not in self.paths]
-        if missing:
-            raise RuntimeError(f"shard {self.shard.index}: samples {missing[:5]} never written")
-        return [file_record(self.paths[i], self.root) for i in range(len(self.shard.samples))]
-
-    def abort(self):
-        pass  # written files are complete samples; the shard is redone as a whole
 
 
 def write_speculators_arrow(root: Path, samples: list[tuple[list[int], list[int]]]) -> bool:
