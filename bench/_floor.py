@@ -2,12 +2,15 @@
 head's own time by phase.
 
 What it does
-    `BareGemm(y, weight, device)` is the GEMM y @ W.T alone, fp32 results for every logit of
-    the [N, V] shape, in the fastest exact way this device has:
+    `BareGemm(y, weight, device)` is the GEMM y @ W.T alone for every logit of the [N, V]
+    shape, the cheapest way PyTorch offers on this device:
       CUDA                   bf16 `torch.mm(..., out_dtype=float32)` (tensor cores, fp32 out);
-      CPU, AVX512-BF16/AMX   MKL's `cblas_gemm_bf16bf16f32` (the bf16-mode GEMM the head uses);
-      other CPUs             fp32 `torch.mm` on weights upcast once, ahead of time.
-    Its operands are prepared outside the timed call (normalised y, the upcast weight, a
+      CPU, AVX512-BF16/AMX   bf16 `torch.mm` with bf16 output (oneDNN in hardware);
+      other CPUs             fp32 `torch.mm` on weights upcast once, ahead of time (PyTorch's
+                             bf16 GEMM is emulated there, several times slower).
+    `BareGemm(..., fp32_out=True)` is the fp32-output GEMM shown beside it where the floor rounds
+    to bf16: MKL's bf16 x bf16 -> fp32 GEMM (`_cpu.gemm_bf16_f32`, the exact head's GEMM).
+    Operands are prepared outside the timed call (normalised y, the upcast weight, a
     preallocated [N, V] output), so the floor pays for nothing but the multiply and its
     writes: the ratio head / floor is stricter on the head than any fair baseline.
     `phases(fn)` runs fn once under `torch.profiler.profile` and returns the seconds the
@@ -15,7 +18,7 @@ What it does
     `record_function` spans, summed by name over every thread; "other" is the rest of the call).
 
 Limits
-    On CPU the [N, V] fp32 output of the floor is resident while it is measured (5 GB at
+    On CPU the [N, V] output of the floor is resident while it is measured (2.5 GB bf16 at
     N=8192, V=151,936); the head never holds one. Phases exist for the PyTorch head only
     (the Triton kernel fuses them). Where head groups run on several threads at once, the
     phases add up their threads' time, which can pass the call's wall time.
@@ -27,40 +30,66 @@ import time
 
 import torch
 from eagle_fast.kernels import HEAD_PHASES, SPAN_PREFIX
-from eagle_fast.kernels._cpu import bf16_gemm_available, gemm_bf16_f32
+from eagle_fast.kernels._cpu import (
+    bf16_gemm_available,
+    bf16_gemm_is_native,
+    gemm_bf16_f32,
+    hardware_isa,
+)
 
 PHASES = (*HEAD_PHASES, "other")
 
 
-def floor_kind(device: str, dtype: torch.dtype = torch.bfloat16) -> str:
-    """What the floor is on this device, in words (for RESULTS.md)."""
+def floor_kind(device: str, dtype: torch.dtype = torch.bfloat16, fp32_out: bool = False) -> str:
+    """What the floor (or with fp32_out, the GEMM beside it) is on this device, in words."""
     if device == "cuda":
         return "bf16 torch.mm with fp32 output"
-    if dtype == torch.bfloat16 and bf16_gemm_available():
-        return "MKL bf16 x bf16 -> fp32 GEMM (AVX512-BF16/AMX)"
+    if dtype == torch.bfloat16 and fp32_out and bf16_gemm_available():
+        return "MKL bf16 x bf16 -> fp32 GEMM"
+    if dtype == torch.bfloat16 and not fp32_out and bf16_gemm_is_native():
+        return "bf16 torch.mm, bf16 output (oneDNN, AVX512-BF16/AMX)"
     return "fp32 torch.mm on weights upcast ahead of time"
 
 
-class BareGemm:
-    """y [N, H] @ weight [V, H].T -> fp32 [N, V], operands prepared once (see the header)."""
+def floor_isa() -> str:
+    """The ISA the CPU floor runs on: `hardware_isa()`, or "AVX2" where bf16 math is emulated
+    or capped away (`make bench-avx2`)."""
+    return hardware_isa() if bf16_gemm_is_native() else "AVX2"
 
-    def __init__(self, y: torch.Tensor, weight: torch.Tensor, device: str):
+
+def has_fp32_out_beside(device: str, dtype: torch.dtype) -> bool:
+    """Whether the floor rounds to bf16 here, so that an fp32-output GEMM is shown beside it."""
+    return device != "cuda" and dtype == torch.bfloat16 and bf16_gemm_is_native()
+
+
+class BareGemm:
+    """y [N, H] @ weight [V, H].T -> [N, V], operands prepared once (see the header)."""
+
+    def __init__(self, y: torch.Tensor, weight: torch.Tensor, device: str, fp32_out: bool = False):
         self.device = device
         N, V = y.shape[0], weight.shape[0]
+        if device == "cuda":
+            self.mode = "cuda"
+        elif weight.dtype == torch.bfloat16 and fp32_out and bf16_gemm_available():
+            self.mode = "mkl"
+        elif weight.dtype == torch.bfloat16 and not fp32_out and bf16_gemm_is_native():
+            self.mode = "bf16"
+        else:
+            self.mode = "fp32"
         self.out = None
         if device != "cuda":
-            self.out = torch.empty(N, V, dtype=torch.float32, device=y.device)
+            dtype = torch.bfloat16 if self.mode == "bf16" else torch.float32
+            self.out = torch.empty(N, V, dtype=dtype, device=y.device)
             self.out.zero_()  # touch every page now: the timed call must not pay for page faults
-        self.mkl = device != "cuda" and weight.dtype == torch.bfloat16 and bf16_gemm_available()
-        if device == "cuda" or self.mkl:
+        if self.mode in ("cuda", "mkl", "bf16"):
             self.y, self.w = y.contiguous(), weight
         else:
             self.y, self.w = y.float().contiguous(), weight.float()
 
     def __call__(self) -> dict:
-        if self.mkl:
+        if self.mode == "mkl":
             gemm_bf16_f32(self.y, self.w, self.out)
-        elif self.device == "cuda" and self.y.dtype != torch.float32:
+        elif self.mode == "cuda" and self.y.dtype != torch.float32:
             # a fresh output: CUDA's caching allocator makes that free, a copy would not be
             try:
                 return {"logits": torch.mm(self.y, self.w.t(), out_dtype=torch.float32)}

@@ -39,8 +39,10 @@ PROVIDERS = {
     "torch-native": "2 plain torch, weight dtype, full logits",
     "lm_head-torch": "3 lm_head(impl='torch')",
     "lm_head-triton": "4 lm_head(impl='triton')",
-    "gemm-floor": "5 bare GEMM y @ W.T, fp32 out (the floor)",
+    "gemm-floor": "5 bare GEMM y @ W.T, the cheapest PyTorch offers (the floor)",
+    "gemm-fp32out": "6 bare GEMM y @ W.T, fp32 out (beside a bf16-output floor)",
 }
+FLOOR_ONLY = ("gemm-fp32out",)  # run in the floor cases only
 CUDA_ONLY = ("lm_head-triton",)
 FLOOR_PROVIDERS = ("gemm-floor", "lm_head-torch")
 
@@ -76,6 +78,7 @@ class Inputs:
     w32_t: torch.Tensor | None = None   # seed: fp32 [H, V] copy, made once (as the seed does)
     norm32: torch.Tensor | None = None  # seed: fp32 norm multiplier (1 + w for Gemma)
     floor: _floor.BareGemm | None = None  # the bare GEMM, operands prepared
+    fp32out: _floor.BareGemm | None = None  # the fp32-output GEMM beside a bf16-output floor
 
     @property
     def resident_seed_bytes(self) -> int:
@@ -122,6 +125,8 @@ def build_inputs(shape: HeadShape, device: str, providers=tuple(PROVIDERS), seed
         inp.norm32 = 1.0 + n32 if shape.norm == "rms_one_plus" else n32
     if "gemm-floor" in providers:
         inp.floor = _floor.BareGemm(_norm32(inp).to(dtype), weight, device)
+    if "gemm-fp32out" in providers:
+        inp.fp32out = _floor.BareGemm(_norm32(inp).to(dtype), weight, device, fp32_out=True)
     return inp
 
 
@@ -207,6 +212,7 @@ def make_providers(inp: Inputs, mode: str, names) -> dict:
         "lm_head-torch": lambda: lm_head_impl("torch"),
         "lm_head-triton": lambda: lm_head_impl("triton"),
         "gemm-floor": inp.floor,
+        "gemm-fp32out": inp.fp32out,
     }
     out = {}
     for n in names:
@@ -268,9 +274,10 @@ def cross_check(timings: dict, reference: str) -> dict:
 
 
 def providers_for(device: str, smoke: bool = False) -> list[str]:
-    if device == "cuda" or smoke:
-        return list(PROVIDERS)
-    return [p for p in PROVIDERS if p not in CUDA_ONLY]
+    names = list(PROVIDERS) if device == "cuda" or smoke else [p for p in PROVIDERS if p not in CUDA_ONLY]
+    if not _floor.has_fp32_out_beside(device, torch.bfloat16):  # the floor is fp32-out already
+        names.remove("gemm-fp32out")
+    return names
 
 
 def is_floor_case(shape: HeadShape) -> bool:
@@ -282,8 +289,8 @@ def names_for(shape: HeadShape, device: str, smoke: bool = False) -> list[str]:
     names = providers_for(device, smoke)
     if is_floor_case(shape):
         head = "lm_head-triton" if device == "cuda" else "lm_head-torch"
-        return [n for n in names if n in ("gemm-floor", head)]
-    return names
+        return [n for n in names if n in ("gemm-floor", "gemm-fp32out", head)]
+    return [n for n in names if n not in FLOOR_ONLY]
 
 
 def run_case(inp: Inputs, mode: str, names, *, rounds=None, benchmark=None) -> tuple[list, dict]:
@@ -330,8 +337,8 @@ def run_case(inp: Inputs, mode: str, names, *, rounds=None, benchmark=None) -> t
             "status": "error: " + t.error if t.error else ("ok (called once)" if t.once else "ok"),
             "vs_floor": (med / floor_s) if (med and floor_s) else None,
         }
-        if name == "gemm-floor":
-            rec["floor_kind"] = _floor.floor_kind(device, inp.weight.dtype)
+        if name in ("gemm-floor", "gemm-fp32out"):
+            rec["floor_kind"] = _floor.floor_kind(device, inp.weight.dtype, name == "gemm-fp32out")
         if name == "lm_head-torch" and phase_s is not None:
             rec["phases_s"], rec["phases_by"] = phase_s, "torch.profiler"
         rec.update(check.get(name, {}))

@@ -2,7 +2,7 @@
 
 CPU: the PyTorch head within 1.1x of the faster of the seed's path and plain torch, at most 25 %
 of the seed's peak extra memory (each measured in a fresh process), and within the floor goals
-of the bare GEMM (`shapes.FLOOR_GOALS`). GPU: the Triton head within 1.1x (1.25x for top-k) of
+of the bare GEMM, the cheapest PyTorch offers (`shapes.floor_goal`). GPU: the Triton head within 1.1x (1.25x for top-k) of
 the bare GEMM, 10x the seed's path, and no N x V buffer. `smoke` judges the tiny shapes with
 both sets, so the GPU code runs on a CPU; its numbers mean nothing.
 """
@@ -67,7 +67,7 @@ def _cpu_targets(v: H.Verdicts, records, shape: HeadShape, mode: str, tag: str =
 def _floor_targets(v: H.Verdicts, records) -> None:
     """The head's ("draft", "argmax") call against the bare GEMM of its shape (CPU)."""
     for shape in shapes.FLOOR_SHAPES:
-        bound = shapes.FLOOR_GOALS[(shape.name, shape.n_tokens)]
+        bound = shapes.floor_goal(shape, _floor.floor_isa())
         head = _find(records, shape.name, shape.n_tokens, "draft32k", "lm_head-torch")
         floor = _find(records, shape.name, shape.n_tokens, "draft32k", "gemm-floor")
         where = f"N={shape.n_tokens} H={shape.hidden} V={shape.vocab} draft32k+argmax"
@@ -80,8 +80,16 @@ def _floor_targets(v: H.Verdicts, records) -> None:
         v.check(f"CPU head vs floor ({where}): lm_head-torch <= {bound}x the bare GEMM",
                 head["vs_floor"] <= bound,
                 f"{H.fmt_s(head['median_s'])} vs {H.fmt_s(floor['median_s'])} "
-                f"({floor['floor_kind']}) = {head['vs_floor']:.2f}x; by phase: gemm "
+                f"({floor['floor_kind']}) = {head['vs_floor']:.2f}x{_beside(records, shape)}; by phase: gemm "
                 f"{100 * ph.get('gemm', 0) / ph.get('total', 1):.0f}%, {outside}")
+
+
+def _beside(records, shape) -> str:
+    """", fp32-out GEMM ...": the fp32-output GEMM beside a bf16-output floor, where measured."""
+    fp32out = _find(records, shape.name, shape.n_tokens, "draft32k", "gemm-fp32out")
+    if not (fp32out and fp32out["median_s"]):
+        return ""
+    return f" (fp32-out GEMM beside it: {H.fmt_s(fp32out['median_s'])}, {fp32out['floor_kind']})"
 
 
 def _gpu_targets(v: H.Verdicts, records, shape: HeadShape, modes, tag: str = "") -> None:

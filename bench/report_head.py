@@ -11,7 +11,7 @@ from pathlib import Path
 
 from report_text import PHASES, env_line, fmt_bytes, fmt_s, phases_source, table, targets_md
 
-PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "gemm-floor")
+PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "gemm-floor", "gemm-fp32out")
 MODE_ORDER = ("all", "lse+argmax", "topk64", "draft32k", "draft-topk64", "logits-bf16")
 
 
@@ -111,6 +111,8 @@ def floor_table(cases, get) -> list[str]:
         if floor is None or not floor["median_s"]:
             continue
         kinds.add(floor.get("floor_kind", "-"))
+        beside = get(key, "gemm-fp32out")
+        beside_s = fmt_s(beside["median_s"]) if beside and beside["median_s"] else "-"
         for p in ("lm_head-torch", "lm_head-triton"):
             r = get(key, p)
             if r is None or not r["median_s"]:
@@ -119,15 +121,18 @@ def floor_table(cases, get) -> list[str]:
             how = how or (phases_source(r) if ph else None)
             shares = [f"{100 * ph[q] / ph['total']:.0f}%" if ph.get("total") else "-" for q in PHASES]
             rows.append([key[0], f"{key[1]:,}", str(r["hidden"]), f"{r['vocab']:,}", f"`{key[2]}`", f"`{p}`",
-                         fmt_s(floor["median_s"]), fmt_s(r["median_s"]),
+                         fmt_s(floor["median_s"]), beside_s, fmt_s(r["median_s"]),
                          f"{r['median_s'] / floor['median_s']:.2f}x", *shares])
     if not rows:
         return []
     out = ["### Against the floor: the bare GEMM of each shape", "",
-           (f"`gemm-floor` is {'; '.join(sorted(kinds))}, operands prepared outside the call (`bench/_floor.py`). "
+           (f"`gemm-floor` is {'; '.join(sorted(kinds))}, operands prepared outside the call (`bench/_floor.py`, "
+            "which takes the cheapest GEMM PyTorch offers for the shape: bf16 output on AVX512-BF16/AMX; a file "
+            "whose floor is MKL's fp32-output GEMM predates that); `fp32-out` is the fp32-output GEMM beside a "
+            "bf16-output floor. "
             f"Phases are shares of one more call of the PyTorch head under {how or 'a profiler'}; `other` is the "
             "rest of the call."), ""]
-    out += table(["shape", "N", "H", "V", "mode", "head", "floor", "head time", "vs floor",
+    out += table(["shape", "N", "H", "V", "mode", "head", "floor", "fp32-out", "head time", "vs floor",
                    *PHASES], rows)
     return out
 

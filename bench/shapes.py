@@ -121,6 +121,15 @@ FLOOR_SHAPES = [
 ]
 FLOOR_MODES = ("draft32k", "lse+argmax")
 FLOOR_GOALS = {("tiny-qwen3-h256", 8192): 1.3, ("qwen3-0.6b", 2048): 1.1}
+# Where the floor is the bf16-output GEMM (AVX512-BF16/AMX; `_floor.floor_kind`), one goal per
+# ISA for both shapes; FLOOR_GOALS hold where it is the fp32 GEMM (AVX2).
+FLOOR_GOALS_BF16 = {"AMX": 1.5, "AVX512-BF16": 1.3}
+
+
+def floor_goal(shape: HeadShape, isa: str) -> float:
+    """The head's goal against the floor of `shape` on a CPU whose widest math ISA is `isa`
+    (`_cpu.hardware_isa()`; a capped run passes "AVX2")."""
+    return FLOOR_GOALS_BF16.get(isa, FLOOR_GOALS[(shape.name, shape.n_tokens)])
 
 # A seconds-long smoke suite: exercises every code path (the Triton provider through the
 # interpreter on CPU) without measuring anything meaningful.
