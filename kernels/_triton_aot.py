@@ -16,7 +16,7 @@ from dataclasses import replace
 import triton
 from triton.compiler import ASTSource
 
-from ._triton_config import Variant, default_config, fwd_constexprs, norm_config
+from ._triton_config import Variant, aligned_row, default_config, fwd_constexprs, norm_config
 from ._triton_norm import rms_norm_kernel
 from .lm_head_triton import lm_head_fwd_kernel
 
@@ -42,7 +42,7 @@ def fwd_signature(variant: Variant) -> dict:
         "Draft_ptr": "*fp32",
         "PartDM_ptr": "*fp32",
         "PartDS_ptr": "*fp32",
-        "Tiles_ptr": "*i32",
+        "Slot_ptr": "*i32",
     }
     ints = dict.fromkeys(
         ["N", "V", "H", "Vd", "n_vtiles", "n_rounds", "stride_ym", "stride_wv", "stride_lm",
@@ -97,11 +97,12 @@ def aot_variants() -> list[tuple[str, Variant]]:
 
 
 def compile_for(
-    target, variant: Variant, n_rows: int = 8192, V: int = 151_936, H: int = 4096, Vd: int = 32_000
-):
+    target, variant: Variant, n_rows: int = 8192, V: int = 151_936, H: int = 4096, Vd: int = 32_000,
+    cfg=None,
+):  # fmt: skip
     """Compile `lm_head_fwd_kernel` ahead of time with the launcher's own config for
-    (n_rows, V, H) and a draft vocabulary of Vd ids; returns (compiled kernel, config)."""
-    cfg = default_config(variant, n_rows, V, H, interpret=False)
+    (n_rows, V, H) and a draft vocabulary of Vd ids, or with `cfg`; returns (kernel, config)."""
+    cfg = cfg or default_config(variant, n_rows, V, H, interpret=False)
     sig = fwd_signature(variant)
     constexprs = fwd_constexprs(variant, cfg, interpret=False)
     names = lm_head_fwd_kernel.arg_names
@@ -111,7 +112,7 @@ def compile_for(
     # what the JIT would specialise for these sizes: 16-byte aligned pointers, and ints
     # that are multiples of 16 (V=151,936, H=4096, N=8192 and their strides are)
     values = {"N": n_rows, "V": V, "H": H, "stride_ym": H, "stride_wv": H}
-    values.update(stride_lm=V, stride_sm=V, Vd=Vd, stride_dm=Vd)
+    values.update(stride_lm=V, stride_sm=V, Vd=Vd, stride_dm=aligned_row(Vd))
     attrs = {}
     for i, name in enumerate(names):
         if sig[name].startswith("*") or (name in values and values[name] % 16 == 0):

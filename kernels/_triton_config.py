@@ -49,9 +49,16 @@ class Variant:
     # Top-k and logprobs always sum, whatever this says.
     lse: bool = True
     even_h: bool = True
-    # the exact top-k re-run of a first pass with these flags: same tiles (config), listed
-    # vocab tiles only, no logits / logprobs / draft stores (nor, for draft_topk, lse sums)
+    # the exact top-k re-run of a first pass with these flags: same tiles (config), only the
+    # (row, tile) pairs given a slot, no logits / logprobs / draft stores (nor, for
+    # draft_topk, lse sums)
     tile_list: bool = False
+
+
+def aligned_row(n: int) -> int:
+    """Row stride, in elements, of a staging buffer with n fp32 columns: a multiple of 16, so
+    every row starts 64-byte aligned and the JIT specialises the stride as divisible by 16."""
+    return -(-n // 16) * 16
 
 
 def next_pow2(x: int) -> int:
@@ -99,6 +106,10 @@ def default_config(variant: Variant, n_rows: int, V: int, H: int, interpret: boo
         or (variant.draft and (two_reductions or variant.softcap))
         or ((variant.draft_topk or variant.topk) and variant.softcap)
     )
+    if variant.draft and (variant.logits or variant.logprobs):
+        # [N, V] stores scattered through the draft-first order: up to 80 B spilled on
+        # 128x128 (8 or 16 warps); 64x128 on 8 warps holds them in 140-145 registers
+        return Config(64, 128, 64, 8, num_warps=8, num_stages=4)
     if heavy:
         return Config(128, 128, 64, 8, num_warps=16, num_stages=4)
     return Config(128, 256, 64, 8, num_warps=8, num_stages=3)
@@ -133,7 +144,7 @@ def fwd_constexprs(variant: Variant, cfg: Config, interpret: bool) -> dict:
         # a draft top-k re-run needs only the draft columns' statistics
         "HAS_LSE": (variant.lse and not (variant.draft_topk and variant.tile_list))
         or variant.topk or variant.logprobs,
-        "HAS_TILE_LIST": variant.tile_list,
+        "IS_RERUN": variant.tile_list,
         # fp32 weights: full fp32 products like the reference (tf32 would round operands
         # to 10 mantissa bits); the interpreter always computes in fp32
         "DOT_PRECISION": "ieee" if (interpret or variant.weight == "fp32") else "tf32",
@@ -144,6 +155,18 @@ def fwd_constexprs(variant: Variant, cfg: Config, interpret: bool) -> dict:
 # ----------------------------------------------------------------------------- autotuning
 
 _AUTOTUNE_CACHE: dict = {}
+# What EAGLE_FAST_AUTOTUNE=1 times besides the default, for 16-bit weights
+# (tests/test_lm_head_aot.py compiles each for sm_90).
+AUTOTUNE_CONFIGS = tuple(
+    Config(bn, bv, 64, group, num_warps=8, num_stages=stages)
+    for bn, bv, stages, group in [
+        (128, 128, 4, 8),
+        (128, 256, 3, 8),
+        (128, 256, 4, 8),
+        (64, 256, 4, 8),
+        (128, 256, 3, 16),
+    ]  # 256x128 spilled 80 B on the draft + argmax epilogue: not a candidate
+)
 
 
 def autotune_config(variant: Variant, cfg: Config, key, run) -> Config:
@@ -151,17 +174,7 @@ def autotune_config(variant: Variant, cfg: Config, key, run) -> Config:
     (V, H, bucketed N, variant) and keep the fastest. `run(cfg)` launches one config."""
     if key in _AUTOTUNE_CACHE:
         return _AUTOTUNE_CACHE[key]
-    cands = {cfg}
-    if variant.weight != "fp32":
-        for bn, bv, stages, group in [
-            (128, 128, 4, 8),
-            (128, 256, 3, 8),
-            (128, 256, 4, 8),
-            (64, 256, 4, 8),
-            (128, 256, 3, 16),
-            (256, 128, 3, 8),
-        ]:
-            cands.add(Config(bn, bv, 64, group, num_warps=8, num_stages=stages))
+    cands = {cfg} | (set(AUTOTUNE_CONFIGS) if variant.weight != "fp32" else set())
     timings, failed = {}, {}
     for c in cands:
         try:

@@ -123,13 +123,14 @@ def draft_tile(
     # `pos` < Vd are the draft columns, and a draft column's index IS its position, so the
     # raw logits store dense and coalesced (HAS_DRAFT) with no target -> draft lookup. Then
     # `draft_stats`; only the last draft tile masks its other columns, in a branch with
-    # stores (one outcome per tile: no per-logit select on the full draft tiles).
+    # stores (one outcome per tile: no per-logit select on the full draft tiles), except with
+    # DRAFT_TOPK, whose extraction rounds would be compiled twice (60 B spilled at ragged V).
     is_draft = pos < Vd
     if HAS_DRAFT:
         d_ptrs = Draft_ptr + rows64[:, None] * stride_dm + pos[None, :]
         tl.store(d_ptrs, logits, mask=row_mask[:, None] & is_draft[None, :])
     stats = (row_mask, d_off, c_ptrs, n_rounds, PartDM_ptr, PartDS_ptr, DRAFT_TOPK)
-    if tl.max(pos, axis=0) >= Vd:
+    if DRAFT_TOPK or tl.max(pos, axis=0) >= Vd:  # one copy of the top-k rounds: registers
         draft_stats(tl.where(is_draft[None, :], logits, float("-inf")), pos, *stats)
     else:
         draft_stats(logits, pos, *stats)

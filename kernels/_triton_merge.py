@@ -49,6 +49,14 @@ class Scratch:
             part_ds=torch.empty((rows, TD), **f32) if TD else dummy,
         )
 
+    def empty_(self) -> Scratch:
+        """Every slot empty (the exact re-run's, which fills only some): no candidate, a max of
+        -inf and a sum of 0."""
+        for t, empty in ((self.part_m, float("-inf")), (self.part_dm, float("-inf")),
+                         (self.part_s, 0.0), (self.part_ds, 0.0), (self.cand, KEY_NONE)):  # fmt: skip
+            t.fill_(empty)
+        return self
+
     @staticmethod
     def bytes_per_row(T: int, C: int, n_rounds: int, TD: int) -> int:
         # a top-k candidate: its 8 B key plus up to ~24 B of transients in merge_topk
@@ -106,16 +114,15 @@ def merge_topk(part_m, part_s, keys, k: int):
     return top, outside / total, M.double() + torch.log(total)
 
 
-def remerge_topk(keys, part_m, part_s, tiles, keys2, part_m2, part_s2, k: int):
-    """`merge_topk` after re-running vocab `tiles` [L]: the first pass's candidates keys
-    [F, T, n] and statistics part_m / part_s [F, T] (overwritten) take the re-run's keys2
-    [F, L, n2] and part_m2 / part_s2 [F, L] for those tiles."""
-    F = keys.shape[0]
-    keys[:, tiles, :] = KEY_NONE
-    part_m[:, tiles] = part_m2
-    part_s[:, tiles] = part_s2
-    keys = torch.cat([keys.reshape(F, -1), keys2.reshape(F, -1)], dim=1)
-    return merge_topk(part_m, part_s, keys, k)
+def remerge_topk(keys, part_m, part_s, sat, keys2, part_m2, part_s2, k: int):
+    """`merge_topk` after the exact re-run of the saturated tiles `sat` [R, C]: their first-pass
+    candidates keys [R, C, n] and statistics part_m / part_s [R, C] give way to the re-run's
+    slots keys2 [R, S, n2], part_m2 / part_s2 [R, S] (empty slots: KEY_NONE, -inf, 0)."""
+    R = keys.shape[0]
+    keys = keys.masked_fill(sat[..., None], KEY_NONE).reshape(R, -1)
+    part_m = torch.cat([part_m.masked_fill(sat, float("-inf")), part_m2], 1)
+    part_s = torch.cat([part_s.masked_fill(sat, 0.0), part_s2], 1)
+    return merge_topk(part_m, part_s, torch.cat([keys, keys2.reshape(R, -1)], 1), k)
 
 
 def tile_lengths(count: int, block_v: int, device) -> torch.Tensor:

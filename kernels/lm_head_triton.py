@@ -23,10 +23,10 @@ Design
   3. Torch merges the per-tile partials (`_triton_merge`): argmax as the lowest id among the
      tiles holding the max, so ties still go to the lowest target id; draft log-probs in one
      pass from the raw fp32 logits into the output dtype. A tile whose `n_rounds` candidates
-     all made the top-k may hide more; the rows concerned re-run just those tiles with all
-     the candidates they can hold (`_Head._redo_topk`), so the top-k is exact.
-  Rows run in chunks that keep the scratch under `_SCRATCH_BYTES`. Only that re-run waits on
-  the device (it sizes itself from the first pass); nothing else in the CUDA call path does.
+     all made the top-k may hide more; one re-run launch recomputes just those (row, tile)
+     pairs with all the candidates they can hold (`_Head._redo_topk`): the top-k is exact.
+  Rows run in chunks that keep the scratch under `_SCRATCH_BYTES`. Every size is known on the
+  host (the re-run's too), so the CUDA call path never waits on the device.
   CPU tensors run the same kernels in triton's interpreter (`_triton_interpret`); INTERPRET
   upcasts dot operands (it multiplies bf16 bit patterns) and rounds to nearest-even before
   16-bit stores (its casts truncate).
@@ -50,6 +50,7 @@ from ._triton_config import (
     TL_NAME,
     Config,
     Variant,
+    aligned_row,
     autotune_config,
     default_config,
     fwd_constexprs,
@@ -107,7 +108,7 @@ def lm_head_fwd_kernel(
     Draft_ptr,  # [N, Vd] fp32 raw draft logits             (HAS_DRAFT)
     PartDM_ptr,  # [N, TD] fp32 per-draft-tile max over draft columns (HAS_DRAFT | DRAFT_TOPK)
     PartDS_ptr,  # [N, TD] fp32 per-draft-tile draft sum exp (DRAFT_TOPK: over non-candidates)
-    Tiles_ptr,  # [T] int32 vocab tiles to compute          (HAS_TILE_LIST)
+    Slot_ptr,  # [N, T] int32 re-run slot of each (row, tile), -1 for none (IS_RERUN)
     # sizes: rows, vocabulary, hidden; Vd draft ids = the walk's first positions (draft tiles:
     # the first cdiv(Vd, BLOCK_V)); T vocab tiles this launch covers (cdiv(V, BLOCK_V) or the
     # list's length); top-k candidates per (row, tile)
@@ -144,7 +145,7 @@ def lm_head_fwd_kernel(
     HAS_ORDER: tl.constexpr,  # walk the vocabulary through Order (draft tiles first)
     HAS_SOFTCAP: tl.constexpr,
     HAS_LSE: tl.constexpr,  # sum exp over the whole tile (lse); else maxima only
-    HAS_TILE_LIST: tl.constexpr,  # top-k re-run on listed tiles only (position -> tile id)
+    IS_RERUN: tl.constexpr,  # exact top-k of the (row, tile) pairs given a slot; outputs by slot
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 weights (and the interpreter)
     INTERPRET: tl.constexpr,  # fp32 dot operands + RNE before 16-bit stores
 ):
@@ -156,24 +157,25 @@ def lm_head_fwd_kernel(
     first_pid_n = group_id * GROUP_SIZE
     group_rows = tl.minimum(num_pid_n - first_pid_n, GROUP_SIZE)
     pid_n = first_pid_n + ((pid % num_pid_in_group) % group_rows)
-    pid_v = (pid % num_pid_in_group) // group_rows  # column of the partial buffers
-    if HAS_TILE_LIST:
-        tile = tl.load(Tiles_ptr + pid_v)
-    else:
-        tile = pid_v
-
+    tile = (pid % num_pid_in_group) // group_rows
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    pos = tile * BLOCK_V + tl.arange(0, BLOCK_V)  # positions of the vocabulary walk
     row_mask = rows < N
-    col_mask = pos < V
-    if HAS_ORDER:  # a row gather: free with pointer loads
-        ids = tl.load(Order_ptr + pos, mask=col_mask, other=0)
-        ids_ld = ids.to(tl.int64)
+    if IS_RERUN:  # a row's outputs go to its slot; a tile no row of the block needs exits
+        slot = tl.load(Slot_ptr + rows.to(tl.int64) * n_vtiles + tile, mask=row_mask, other=-1)
+        if tl.max(slot, axis=0) < 0:
+            return
+        row_mask = row_mask & (slot >= 0)
+        pcol = slot  # column of the partial buffers, per row
     else:
-        ids = pos
-        ids_ld = (pos % V).to(tl.int64)
-    # loads wrap ragged edges onto valid rows / ids (no load masks); results there are
-    # masked out below
+        pcol = tile
+    pos = tile * BLOCK_V + tl.arange(0, BLOCK_V)  # positions of the vocabulary walk
+    col_mask = pos < V
+    # columns past V repeat the last one, (value, id) pairs already in the tile: the max and
+    # the argmax need no mask there, sums and top-k do (below); rows past N wrap, masked out
+    ids = tl.minimum(pos, V - 1)
+    if HAS_ORDER:  # a row gather: free with pointer loads
+        ids = tl.load(Order_ptr + ids)
+    ids_ld = ids.to(tl.int64)
     rows_ld = (rows % N).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     y_ptrs = Y_ptr + rows_ld[:, None] * stride_ym + offs_h[None, :]
@@ -213,20 +215,21 @@ def lm_head_fwd_kernel(
         tl.store(Stage_ptr + rows64[:, None] * stride_sm + ids[None, :], logits, mask=out_mask)
 
     # ---- per (row, tile) max, argmax (lowest id among maxima, NaN as +inf), sum exp for lse:
-    # all a tile past the draft ones does for "draft" / "argmax". Only the ragged last tile
-    # masks columns past V (the top-k: every tile), in a branch with stores: no select.
-    p_off = rows64 * stride_pm + pid_v
+    # all a tile past the draft ones does for "draft" / "argmax". For a sum, the ragged last
+    # tile masks columns past V in a branch with stores (no select elsewhere); the top-k
+    # masks every tile. Constexprs short-circuit the conditions.
+    p_off = rows64 * stride_pm + pcol
     stats = (p_off, row_mask, PartM_ptr, PartArg_ptr, PartS_ptr, HAS_LSE and not HAS_TOPK)
-    if HAS_TOPK or tile * BLOCK_V + BLOCK_V > V:  # constexpr True short-circuits
+    if HAS_TOPK or (HAS_LSE and tile * BLOCK_V + BLOCK_V > V):
         logits, m, arg = tile_stats(tl.where(col_mask[None, :], logits, float("-inf")), ids, *stats)
     else:
         logits, m, arg = tile_stats(logits, ids, *stats)
 
     # ---- draft tiles only: dense raw draft logits, draft max, sum exp, draft top-k
-    c_ptrs = Cand_ptr + rows64 * stride_cm + pid_v * n_rounds
+    c_ptrs = Cand_ptr + rows64 * stride_cm + pcol * n_rounds
     if (HAS_DRAFT or DRAFT_TOPK) and tile * BLOCK_V < Vd:  # constexpr False short-circuits
         draft_tile(
-            logits, pos, rows64, row_mask, rows64 * stride_dpm + pid_v, c_ptrs, n_rounds, Vd,
+            logits, pos, rows64, row_mask, rows64 * stride_dpm + pcol, c_ptrs, n_rounds, Vd,
             Draft_ptr, PartDM_ptr, PartDS_ptr, stride_dm, HAS_DRAFT, DRAFT_TOPK,
         )  # fmt: skip
 
@@ -351,9 +354,8 @@ class _Head:
         else _TOPK_ROUNDS when that is fewer (`candidate_rounds`)."""
         return candidate_rounds(self.n_cand, cfg.BLOCK_V, self.k, _TOPK_ROUNDS, exact) if self.k else 0
 
-    def _scratch(self, rows: int, cfg: Config, n_rounds: int, tiles: int | None = None) -> Scratch:
-        """Scratch for a first pass (`tiles` None) or a re-run of `tiles` listed tiles."""
-        T, TD, C = self._tiles(cfg) if tiles is None else (tiles, tiles * bool(self.Vd), tiles)
+    def _scratch(self, rows: int, cfg: Config, n_rounds: int) -> Scratch:
+        T, TD, C = self._tiles(cfg)
         return Scratch.alloc(rows, T, C, n_rounds, TD, self.device)
 
     def _chunk_rows(self, cfg: Config, per_row: int) -> int:
@@ -366,10 +368,10 @@ class _Head:
 
     # -- one launch of the fused kernel over the rows of y_rows
     def _launch(
-        self, y_rows, cfg, variant, n_rounds, scr, logits=None, stage=None, draft=None, tiles=None
+        self, y_rows, cfg, variant, n_rounds, scr, logits=None, stage=None, draft=None, slots=None
     ):
         R = y_rows.shape[0]
-        T = self._tiles(cfg)[0] if tiles is None else tiles.numel()
+        T = self._tiles(cfg)[0] if slots is None else slots.shape[1]  # the re-run: C tiles
         C, TD = scr.cand.shape[1] if n_rounds else 0, scr.part_dm.shape[-1]
         w = self.req.weight
         variant = replace(variant, even_h=self.H % cfg.BLOCK_H == 0)
@@ -383,12 +385,12 @@ class _Head:
             self.order if self.order is not None else scr.part_arg,
             draft if draft is not None else scr.part_m,
             scr.part_dm, scr.part_ds,
-            tiles if tiles is not None else scr.part_arg,
+            slots if slots is not None else scr.part_arg,
             R, self.V, self.H, self.Vd, T, n_rounds,
             y_rows.stride(0), w.stride(0),
             logits.stride(0) if logits is not None else 0,
             stage.stride(0) if stage is not None else 0,
-            T, C * n_rounds, draft.stride(0) if draft is not None else 0, TD,
+            scr.part_m.shape[1], C * n_rounds, draft.stride(0) if draft is not None else 0, TD,
             float(self.req.logit_scale), float(softcap) if softcap is not None else 1.0,
             **fwd_constexprs(variant, cfg, self.interpret),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -405,8 +407,14 @@ class _Head:
             torch.empty((rows, self.V), dtype=self.req.out_dtype, device=dev) if v.logits else None
         )
         stage = torch.empty((rows, self.V), dtype=torch.float32, device=dev) if v.logprobs else None
-        draft = torch.empty((rows, self.Vd), dtype=torch.float32, device=dev) if v.draft else None
+        draft = self._draft_staging(rows) if v.draft else None
         self._launch(self.y[:rows], cfg, v, n_rounds, scr, logits, stage, draft)
+
+    def _draft_staging(self, rows: int) -> torch.Tensor:
+        """fp32 [rows, Vd] for the raw draft logits, rows 64-byte aligned (an unaligned row
+        stride costs the kernel its vector stores: 2 KB spilled at Vd=10,001)."""
+        buf = torch.empty((rows, aligned_row(self.Vd)), dtype=torch.float32, device=self.device)
+        return buf[:, : self.Vd]
 
     def run(self):
         req, out, v, cfg = self.req, self.out, self.variant, self.cfg
@@ -416,23 +424,22 @@ class _Head:
         n_rounds = self._rounds(cfg, exact=False)
         exact = n_rounds == self._rounds(cfg, exact=True)
         stage_logprobs = v.logprobs and not self.out_f32
-        stage_draft = v.draft and not self.out_f32
         T, TD, C = self._tiles(cfg)
         per_row = Scratch.bytes_per_row(T, C, n_rounds, TD)
-        per_row += 4 * V * stage_logprobs + 4 * self.Vd * stage_draft
+        if not exact:  # the re-run's slots, and the merge again with them
+            per_row += Scratch.bytes_per_row(0, self.k // n_rounds, self._rounds(cfg, True), 0)
+        per_row += 4 * V * stage_logprobs + 4 * aligned_row(self.Vd) * v.draft
         chunk = self._chunk_rows(cfg, per_row)
         scr = self._scratch(chunk, cfg, n_rounds)
         f32 = {"dtype": torch.float32, "device": self.device}
         stage_buf = torch.empty((chunk, V), **f32) if stage_logprobs else None
-        draft_buf = torch.empty((chunk, self.Vd), **f32) if stage_draft else None
+        draft_buf = self._draft_staging(chunk) if v.draft else None
         for r0 in range(0, N, chunk):
             r1 = min(N, r0 + chunk)
             R = r1 - r0
             logits = out.logits[r0:r1] if v.logits else None
             stage = (out.logprobs[r0:r1] if self.out_f32 else stage_buf[:R]) if v.logprobs else None
-            draft = (
-                (out.draft_logprobs[r0:r1] if self.out_f32 else draft_buf[:R]) if v.draft else None
-            )
+            draft = draft_buf[:R] if v.draft else None
             self._launch(self.y[r0:r1], cfg, v, n_rounds, scr, logits, stage, draft)
 
             # -- merges over [R, T] partials
@@ -447,9 +454,7 @@ class _Head:
                 if not exact:
                     lens = tile_lengths(self.n_cand, cfg.BLOCK_V, self.device)
                     sat = saturated_tiles(cand, top[:, self.k - 1 :], lens)
-                    rows = sat.any(1).nonzero().squeeze(1)  # (a host sync per chunk)
-                    if rows.numel():
-                        self._redo_topk(r0, rows, sat[rows], scr, top, tail)
+                    top, tail = self._redo_topk(r0, sat, scr)
                 prefix = "draft_topk" if v.draft_topk else "topk"
                 write_topk(out, prefix, slice(r0, r1), top, tail, top_lse)
                 lse, dlse = (None, top_lse) if v.draft_topk else (top_lse, None)
@@ -472,28 +477,23 @@ class _Head:
             if out.argmax_in_draft is not None:
                 out.argmax_in_draft[r0:r1] = self.in_draft[amax]
 
-    def _redo_topk(self, r0, rows, sat, scr, top, tail):
-        """Exact top-k for chunk-local `rows` (whose tiles `sat` [F, T] may hide more top-k
-        members): recompute just the union of their flagged vocab tiles with the exact
-        number of candidates each (`_rounds`), swap those tiles' candidates and sums in,
-        and select again. The other tiles were not saturated against a threshold that can
-        only rise, so the result is exact. lse stays the first pass's (logprobs / draft
-        already used it). Updates `top` and `tail` in place."""
-        cfg, k = self.cfg, self.k
+    def _redo_topk(self, r0, sat, scr):
+        """Exact top-k of chunk rows r0.. whose tiles `sat` [R, C] may hide more top-k members:
+        one re-run launch over every (row block, tile) computes, with the exact number of
+        candidates (`_rounds`), the pairs `sat` flags, each into its row's next slot; blocks
+        with nothing flagged exit at once. A saturated tile put all its n candidates in the
+        top-k, so a row has at most k // n of them: the slots, the launch and the merge have
+        host-known sizes, and nothing waits on the device. Those tiles' first-pass candidates
+        and sums give way to the re-run's and the top-k is selected again; the other tiles were
+        not saturated against a threshold that can only rise, so it is exact. lse stays the
+        first pass's (logprobs / draft already used it). Returns (top keys, tail)."""
+        cfg, k, R = self.cfg, self.k, sat.shape[0]
         n_exact = self._rounds(cfg, exact=True)
+        S = k // self._rounds(cfg, exact=False)
+        slots = torch.where(sat, torch.cumsum(sat, 1, dtype=torch.int32) - 1, -1).int()
+        scr2 = Scratch.alloc(R, S, S, n_exact, S if self.Vd else 0, self.device).empty_()
         variant = replace(self.variant, tile_list=True)
-        n_tiles = int(sat.any(0).sum())
-        per_row = Scratch.bytes_per_row(n_tiles, n_tiles, n_exact, n_tiles)
-        per_row += scr.cand.shape[1] * 33 * scr.cand.shape[2]
-        chunk = min(rows.numel(), self._chunk_rows(cfg, per_row))
-        for i0 in range(0, rows.numel(), chunk):
-            idx, sat_i = rows[i0 : i0 + chunk], sat[i0 : i0 + chunk]
-            F = idx.numel()
-            tiles = sat_i.any(0).nonzero().squeeze(1)
-            scr2 = self._scratch(F, cfg, n_exact, tiles=tiles.numel())
-            y_rows = self.y.index_select(0, idx + r0)
-            self._launch(y_rows, cfg, variant, n_exact, scr2, tiles=tiles.to(torch.int32))
-            (m1, s1), (m2, s2) = self._topk_stats(scr), self._topk_stats(scr2)
-            first = (scr.cand[idx], m1[idx], s1[idx])  # copies (advanced indexing)
-            rerun = (scr2.cand[:F], m2[:F], s2[:F])
-            top[idx], tail[idx], _ = remerge_topk(*first, tiles, *rerun, k)
+        self._launch(self.y[r0 : r0 + R], cfg, variant, n_exact, scr2, slots=slots)
+        first = (t[:R] for t in (scr.cand, *self._topk_stats(scr)))
+        top, tail, _ = remerge_topk(*first, sat, scr2.cand, *self._topk_stats(scr2), k)
+        return top, tail

@@ -31,13 +31,13 @@ def gen(request) -> torch.Generator:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The fused kernel's launches during the test: (DRAFT_TOPK, HAS_TILE_LIST, n_rounds)."""
+    """The fused kernel's launches during the test: (DRAFT_TOPK, IS_RERUN, n_rounds)."""
     seen = []
     real = lm.run_kernel
 
     def spy(kernel, grid, interpret, *args, **kw):
         if kernel is lm.lm_head_fwd_kernel:
-            seen.append((kw["DRAFT_TOPK"], kw["HAS_TILE_LIST"], args[18]))
+            seen.append((kw["DRAFT_TOPK"], kw["IS_RERUN"], args[18]))
         return real(kernel, grid, interpret, *args, **kw)
 
     monkeypatch.setattr(lm, "run_kernel", spy)
@@ -89,9 +89,9 @@ def test_crowded_draft_tiles_are_recomputed_exactly(rounds, k, outputs, monkeypa
     redo_rows = []
     real_redo = lm._Head._redo_topk
 
-    def spy(self, r0, rows, *args):
-        redo_rows.extend((rows + r0).tolist())
-        return real_redo(self, r0, rows, *args)
+    def spy(self, r0, sat, *args):
+        redo_rows.extend((sat.any(1).nonzero().squeeze(1) + r0).tolist())
+        return real_redo(self, r0, sat, *args)
 
     monkeypatch.setattr(lm._Head, "_redo_topk", spy)
     g = torch.Generator().manual_seed(3)

@@ -109,6 +109,37 @@ def test_fwd_kernel_compiles_for_hopper(hopper, name):
 
 
 @pytest.mark.parametrize(
+    "cfg", cfgs.AUTOTUNE_CONFIGS,
+    ids=lambda c: f"{c.BLOCK_N}x{c.BLOCK_V}-s{c.num_stages}-g{c.GROUP_SIZE}",
+)  # fmt: skip
+@pytest.mark.parametrize("name", ["bf16-lse-argmax", "bf16-draft-argmax-nolse"])
+def test_autotune_candidates_compile_for_hopper(hopper, name, cfg):
+    """EAGLE_FAST_AUTOTUNE=1 times these on the first GPU: each must compile for sm_90, on
+    tensor cores, within shared memory and without spilling."""
+    variant = VARIANTS[name]
+    key = ("autotune", *_compile_key(variant)[2:], cfg)
+    res = hopper(key, lambda target: aot.compile_for(target, variant, cfg=cfg))
+    assert res["wgmma"] and res["shared"] <= HOPPER_SMEM_LIMIT, res
+    assert res["spill"] == 0, f"{name} {cfg}: {res['spill']} B spilled, {res['regs']} registers"
+
+
+@pytest.mark.parametrize(
+    "name", ["bf16-draft-argmax-nolse", "bf16-topk", "bf16-topk-rerun", "bf16-draft_topk",
+             "bf16-draft_topk-rerun", "bf16-logits-logprobs-draft"],
+)  # fmt: skip
+def test_fwd_kernel_compiles_for_ragged_shapes(hopper, name):
+    """Ragged rows, vocabulary and draft vocabulary (N=300, V=32,003, Vd=10,001: the GPU
+    tests' shape); H stays a multiple of 64 as in every real model (an H of 1000 loses the
+    16-byte row alignment, and with it vectorised loads: 1.7-4.9 KB spilled)."""
+    variant = VARIANTS[name]
+    shape = {"n_rows": 300, "V": 32_003, "H": 1024, "Vd": 10_001}
+    res = hopper(("ragged", *_compile_key(variant)), lambda t: aot.compile_for(t, variant, **shape))
+    assert res["wgmma"] and res["shared"] <= HOPPER_SMEM_LIMIT, res
+    bound = aot.TOPK_SPILL_BOUND if variant.topk else 0
+    assert res["spill"] <= bound, f"{name}: {res['spill']} B spilled, {res['regs']} registers"
+
+
+@pytest.mark.parametrize(
     "hidden, weight, norm_mode",
     [
         ("bf16", "bf16", 1),

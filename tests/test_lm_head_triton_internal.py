@@ -158,9 +158,9 @@ def test_topk_rows_with_crowded_tiles_are_recomputed_exactly(monkeypatch):
     redo_rows = []
     real_redo = lm._Head._redo_topk
 
-    def spy(self, r0, rows, *args):
-        redo_rows.extend((rows + r0).tolist())
-        return real_redo(self, r0, rows, *args)
+    def spy(self, r0, sat, *args):
+        redo_rows.extend((sat.any(1).nonzero().squeeze(1) + r0).tolist())
+        return real_redo(self, r0, sat, *args)
 
     monkeypatch.setattr(lm._Head, "_redo_topk", spy)
     g = torch.Generator().manual_seed(1)
@@ -193,6 +193,26 @@ def test_argmax_ties_across_tiles_go_to_the_lower_id():
     out = lm_head(hidden, weight, None, norm="none", outputs=("topk",), k=3, impl="triton")
     assert out.argmax.tolist() == [700, 1, 0]
     assert out.topk_ids.tolist() == [[700, 900, 1500], [1, 513, 1599], [0, 1, 2]]
+
+
+@pytest.mark.parametrize("outputs", [("draft", "argmax"), ("draft_topk",), ("draft", "lse")], ids="+".join)
+def test_argmax_ties_go_to_the_lower_target_id_in_the_draft_first_walk(outputs):
+    """The draft ids fill the first tiles, so a tile's position no longer orders its ids: a
+    tie between a draft id and a lower non-draft id (walked later) must still give the lower
+    target id, as must ties inside the last, mixed draft tile and at the ragged end."""
+    V = 1700  # the 550 draft ids 601, 603, .., 1699 fill positions 0-549; 4 tiles of 512
+    draft = torch.arange(601, V, 2)
+    logits = torch.zeros(5, V)
+    logits[0, [1601, 7, 900]] = 5.0  # draft 1601 (tile 0) vs non-draft 7 (tile 1) -> 7
+    logits[1, [1699, 1697, 600]] = 5.0  # last draft id, a draft id, a non-draft id -> 600
+    logits[2, :] = -3.0  # everything ties -> 0
+    logits[3, [1699, 1698]] = 4.0  # a draft id, the walk's last position (ragged tile) -> 1698
+    logits[4, [603, 605]] = 2.0  # two draft ids in tile 0 -> 603
+    hidden, weight = _int_logit_inputs(logits)
+    out = lm_head(hidden, weight, None, norm="none", outputs=outputs, k=3, draft_ids=draft,
+                  impl="triton")  # fmt: skip
+    assert out.argmax.tolist() == [7, 600, 0, 1698, 603]
+    assert out.argmax_in_draft.tolist() == [False, False, False, False, True]
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -229,7 +249,7 @@ def test_default_configs_fit_hopper_shared_memory():
         smem = (cfg.BLOCK_N + cfg.BLOCK_V) * cfg.BLOCK_H * w_bytes * cfg.num_stages
         assert smem <= 227 * 1024, (v, cfg)
         seen.add(cfg)
-    assert len(seen) == 3  # big tile, heavy-epilogue tile, fp32
+    assert len(seen) == 4  # big tile, heavy-epilogue tile, both [N, V] stores with draft, fp32
 
 
 # ----------------------------------------------------------------------------------- GPU

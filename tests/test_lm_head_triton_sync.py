@@ -153,10 +153,26 @@ def test_changed_draft_ids_are_checked_again():
         lm_head(hidden, weight, norm_weight, **kw)
 
 
-@pytest.mark.xfail(strict=True, reason="the exact top-k re-run sizes itself on the host")
-def test_a_topk_call_with_crowded_tiles_never_syncs(no_host_sync, monkeypatch):
+@pytest.mark.parametrize("outputs", [("topk",), ("draft_topk",)], ids="+".join)
+def test_the_exact_topk_rerun_never_syncs(outputs, no_host_sync, monkeypatch):
+    """2 candidates per tile in the first pass and crowded rows: the re-run runs, sized from
+    host integers alone, and the top-k comes out exact."""
     monkeypatch.setattr(lm, "_TOPK_ROUNDS", 2)
+    reruns = []
+    real_redo = lm._Head._redo_topk
+    def spy(self, r0, sat, *args):
+        reruns.append(sat.clone())
+        return real_redo(self, r0, sat, *args)
+
+    monkeypatch.setattr(lm._Head, "_redo_topk", spy)
     gen = torch.Generator().manual_seed(9)
-    hidden, weight, norm_weight, _ = _inputs(gen)
+    hidden, weight, norm_weight, draft = _inputs(gen, Vd=1200)
+    hidden[:4] = weight[draft[:8]].float().sum(0).bfloat16()  # rows aimed at 8 adjacent draft ids
+    kw = {"outputs": outputs, "k": 6, "draft_ids": draft, "impl": "triton"}
+    lm_head(hidden, weight, norm_weight, **kw)
     with no_host_sync():
-        lm_head(hidden, weight, norm_weight, outputs=("topk",), k=6, impl="triton")
+        out = lm_head(hidden, weight, norm_weight, **kw)
+    assert any(bool(sat.any()) for sat in reruns), "no crowded tile: the re-run computed nothing"
+    oracle = lm_head_oracle(hidden, weight, norm_weight, k=6, draft_ids=draft)
+    prefix = outputs[0]
+    assert_ids_equal(getattr(out, prefix + "_ids"), getattr(oracle, prefix + "_ids"), name="ids")
