@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "likely draft ids with their log-probs and the draft mass outside them")
     p.add_argument("--k", type=int, default=64,
                    help="top-k width for --supervision topk / draft-topk (default 64)")
+    p.add_argument("--keep-mass", type=float, default=None, metavar="P",
+                   help="--supervision draft-topk only: per token, keep the fewest draft ids whose mass "
+                        "reaches P (0 < P < 1), at most --k; a different k per token on disk")
     p.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="d2t/t2d file from `eagle-fast vocab` (nemo, speculators, specforge: also written "
                         "in the trainer's own vocabulary format)")
@@ -193,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_extract(a: argparse.Namespace) -> int:
     cfg = ExtractConfig(
         model=a.model, data=a.data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
-        supervision=a.supervision, k=a.k, draft_vocab=a.draft_vocab, max_len=a.max_len,
+        supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
         vllm=_vllm_settings(a),

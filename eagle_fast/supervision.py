@@ -155,6 +155,57 @@ def dense_target_p(
     return out.scatter_(-1, ids.long(), p)
 
 
+def keep_mass_lengths(logprobs: torch.Tensor, tail: torch.Tensor, keep_mass: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token, the smallest k whose draft mass reaches `keep_mass`, capped by K.
+
+    logprobs `[T, K]` in descending order (the head's draft top-k), tail `[T]` (the draft mass
+    outside them). Returns lengths int64 `[T]` (1..K), the new tail float32 `[T]` (the mass
+    outside the kept ids) and capped bool `[T]` (the K ids hold less than `keep_mass`).
+    In float64 on the given (stored) log-probs: kept mass = cumsum(exp(logprobs)); the new tail
+    = tail + the dropped probabilities summed smallest first (never 1 - kept mass, which
+    cancels to noise when the kept ids hold almost all the mass)."""
+    p = logprobs.double().exp()
+    reached = p.cumsum(-1) >= keep_mass
+    capped = ~reached[:, -1] if p.shape[-1] else torch.ones(p.shape[0], dtype=torch.bool)
+    lengths = torch.where(capped, p.shape[-1], reached.int().argmax(-1) + 1).long()
+    suffix = torch.cat((p.flip(-1).cumsum(-1).flip(-1), p.new_zeros(p.shape[0], 1)), -1)
+    new_tail = tail.double() + suffix.gather(-1, lengths[:, None]).squeeze(-1)
+    return lengths, new_tail.float(), capped
+
+
+def dense_target_p_ragged(lengths: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, tail: torch.Tensor,
+                          draft_size: int, mode: str = "spread") -> torch.Tensor:
+    """`dense_target_p` for a different k per token: fp32 `[T, Vd]`.
+
+    lengths `[T]` (k_t), ids and logprobs `[sum k_t]` (token by token, each token's kept ids in
+    order), tail `[T]` (the draft mass outside each token's kept ids). Each row equals
+    `dense_target_p` of that token's k_t ids alone, in every mode; a token of length 0 (a pad
+    row) gets its tail spread ("spread") or zeros."""
+    if mode not in TAIL_MODES:
+        raise ValueError(f"tail mode must be one of {TAIL_MODES}, got {mode!r}")
+    lengths = lengths.long()
+    T = lengths.shape[0]
+    if int(lengths.sum()) != ids.shape[0] or ids.shape != logprobs.shape:
+        raise ValueError(f"ragged draft top-k: lengths sum to {int(lengths.sum())}, ids hold "
+                         f"{tuple(ids.shape)}, logprobs {tuple(logprobs.shape)}")
+    if T and int(lengths.max()) > draft_size:
+        raise ValueError(f"draft_size {draft_size} must be >= k = {int(lengths.max())} (the longest stored row)")
+    rows = torch.repeat_interleave(torch.arange(T, device=ids.device), lengths)
+    p = logprobs.float().exp()
+    if mode == "renormalize":
+        mass = torch.zeros(T, device=ids.device).index_add_(0, rows, p)
+        p = p / mass.clamp_min(torch.finfo(torch.float32).tiny)[rows]
+    if mode == "spread":
+        others = (draft_size - lengths).clamp_min(1).float()
+        fill = torch.where(lengths < draft_size, tail.float() / others, 0.0)
+    else:
+        fill = torch.zeros(T, device=ids.device)
+    out = fill[:, None].expand(T, draft_size).contiguous()
+    out[rows, ids.long()] = p
+    return out
+
+
 def shift_left(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """NeMo's `_shift_left_with_zero`: `t` one step left along `dim` (the sequence: 1 for
     `[B, S, ...]`, 0 for one sample), a zero at the end; row t then describes position t+1."""

@@ -55,6 +55,7 @@ class ExtractConfig:
     aux_layers: str | None = None
     supervision: str | None = None
     k: int = 64
+    keep_mass: float | None = None  # draft-topk: the fewest ids per token holding this mass, at most k
     draft_vocab: str | None = None
     max_len: int | None = None   # None: resolve_max_len's default for the model
     overlong: str = "truncate"
@@ -149,6 +150,9 @@ def check_config(cfg: ExtractConfig) -> None:
     if cfg.layout not in LAYOUTS:
         raise UserError(f"--format {cfg.layout!r} is not one of {', '.join(LAYOUTS)}", "pick one of them")
     check_aux_dtype(cfg.layout, cfg.aux_dtype)
+    if cfg.keep_mass is not None and not (math.isfinite(cfg.keep_mass) and 0 < cfg.keep_mass < 1):
+        raise UserError(f"--keep-mass {cfg.keep_mass} is not a share of the draft mass strictly between 0 and 1",
+                        "pass e.g. --keep-mass 0.99 (or leave it out to keep --k ids on every token)")
     for name, value in (("--dtype", cfg.dtype), ("--out-dtype", cfg.out_dtype)):
         if value not in SHORT_NAMES:
             raise UserError(f"{name} {value!r} is not one of bf16, fp16, fp32", "pick one of them")

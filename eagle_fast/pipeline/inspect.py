@@ -62,6 +62,10 @@ def inspect_text(directory: str) -> str:
         ds = Eagle3Dataset(directory)
         lengths = [ds.length(i) for i in range(len(ds))]
         lines.append(f"lengths     min {min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)}")
+        if spec.keep_mass:
+            mean_k, capped, n = ds.keep_mass_stats()
+            lines.append(f"keep mass   {spec.keep_mass}: mean k {mean_k:.2f} of at most {spec.k}; "
+                         f"{capped:,} of {n:,} tokens hit the cap ({100 * capped / max(n, 1):.1f} %)")
     for r in m.get("runs", [])[-3:]:
         lines.append(f"run         {r['samples']:,} samples on {r['engine']} at {r['tokens_per_second'] or 0:,.0f} "
                      f"tokens/s (build {r['build_seconds']:.1f} s)")

@@ -115,6 +115,10 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     if kind == "draft-topk" and draft is not None and not 1 <= cfg.k <= draft.size:
         raise UserError(f"--k {cfg.k} is out of range for the draft vocabulary of {draft.size} ids "
                         f"({cfg.draft_vocab})", f"pass 1 <= k <= {draft.size}")
+    if cfg.keep_mass is not None and (kind != "draft-topk" or cfg.layout != "native"):
+        raise UserError(f"--keep-mass applies to --supervision draft-topk in the native format, not "
+                        f"--supervision {kind} (--format {cfg.layout})",
+                        "add --supervision draft-topk --draft-vocab FILE, or drop --keep-mass")
     cfg = replace(cfg, max_len=resolve_max_len(cfg.max_len, info.max_positions))
     if draft is not None and not (kind in ("draft", "draft-topk") or cfg.layout in TRAINER_VOCAB_LAYOUTS):
         raise UserError(f"--draft-vocab only applies to --supervision draft / draft-topk (or --format "
@@ -134,7 +138,7 @@ def prepare(cfg: ExtractConfig) -> Prepared:
         num_aux=3, vocab_size=info.vocab_size,
         draft_size=draft.size if draft is not None else info.vocab_size,
         dtype=dtype, out_dtype=out_dtype, max_len=cfg.max_len, pad_token_id=int(pad_id),
-        aux_dtype=cfg.aux_dtype,
+        aux_dtype=cfg.aux_dtype, keep_mass=cfg.keep_mass or 0.0,
     )
     layout = make_layout(spec)
     draft_ids = draft.ids if draft is not None else None
@@ -156,6 +160,8 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     }
     if cfg.aux_dtype != "auto":  # absent for auto, so those manifests stay as they always were
         settings["aux_dtype"] = cfg.aux_dtype
+    if cfg.keep_mass is not None:  # likewise absent for a fixed k
+        settings["keep_mass"] = cfg.keep_mass
     quantization = cfg.vllm.merged().get("quantization") if engine == "vllm" else None
     if quantization:  # another target's outputs: never mixed on resume; absent when unquantized
         settings["quantization"] = quantization
@@ -202,7 +208,7 @@ def _initial_manifest(cfg, info, plan, shards, part, engine, aux, kind, spec, la
             "no_loss": plan.no_loss,
         },
         "aux_layer_ids": aux,
-        "supervision": {"kind": kind, "k": spec.k,
+        "supervision": {"kind": kind, "k": spec.k, **({"keep_mass": spec.keep_mass} if spec.keep_mass else {}),
                         "draft_vocab_size": int(draft_ids.numel()) if draft_ids is not None else None,
                         "draft_vocab_file": "draft_vocab.safetensors" if draft_ids is not None else None},
         "layout_spec": spec_to_json(spec),
@@ -245,7 +251,7 @@ def _existing_manifest(root: Path, part, settings: dict, cfg: ExtractConfig) -> 
         except KeyError:
             raise UserError(f"{q} was not written by eagle-fast", "pass a new --out directory") from None
         # Settings absent from manifests at their default, shown by name in the diff.
-        defaults = {"aux_dtype": "auto", "quantization": None}
+        defaults = {"aux_dtype": "auto", "quantization": None, "keep_mass": None}
         diffs = diff_settings({**defaults, **ours.get("settings", {})}, {**defaults, **settings})
         if diffs:
             raise UserError(

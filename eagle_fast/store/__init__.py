@@ -31,6 +31,7 @@ def spec_from_manifest(m: dict) -> LayoutSpec:
         num_aux=int(s["num_aux"]), vocab_size=int(s["vocab_size"]), draft_size=int(s["draft_size"]),
         dtype=SHORT_NAMES[s["dtype"]], out_dtype=SHORT_NAMES[s["out_dtype"]],
         max_len=int(s["max_len"]), pad_token_id=int(s["pad_token_id"]), aux_dtype=s.get("aux_dtype", "auto"),
+        keep_mass=float(s.get("keep_mass", 0.0)),
     )
 
 
@@ -43,4 +44,6 @@ def spec_to_json(spec: LayoutSpec) -> dict:
     }
     if spec.aux_dtype != "auto":  # absent for auto: those manifests stay as they always were
         out["aux_dtype"] = spec.aux_dtype
+    if spec.keep_mass:  # absent for a fixed k, likewise
+        out["keep_mass"] = spec.keep_mass
     return out

@@ -11,7 +11,9 @@ Native layout samples hold `input_ids` int64 [T], `loss_mask` bool [T], `aux_hid
 + `draft_topk_logprobs` + `draft_topk_tail` + `argmax_in_draft`, or `topk_ids` +
 `topk_logprobs` + `topk_tail`, or `logits`; `argmax` always, `lse` with all but draft-topk; or
 `hidden`, the pre-norm final hidden state), row t being the target's output after tokens
-0..t. `target_p(i, tail)` (or `Eagle3Dataset(dir, target_p="spread")`, which adds it to every
+0..t. With --keep-mass the draft top-k is ragged: `draft_topk_lengths` int64 [T] (k_t) and
+1-d `draft_topk_ids` / `draft_topk_logprobs` (each token's k_t, token after token; see
+store/layouts.py). `target_p(i, tail)` (or `Eagle3Dataset(dir, target_p="spread")`, which adds it to every
 sample) gives the dense draft distribution, rebuilt from the sparse fields where stored so. The nemo,
 speculators and specforge layouts yield their stored per-sample tensors
 as their own readers would (use NeMo's `CachedEagle3Dataset` for NeMo training).
@@ -42,7 +44,7 @@ from eagle_fast.store.fp8 import dequantize_sample
 from eagle_fast.store.manifest import check_file_cheap, check_file_full, iter_files, read_manifest
 from eagle_fast.store.nemo import trainer_frame
 from eagle_fast.store.safetensors import open_safetensors as _safe_open
-from eagle_fast.supervision import TAIL_MODES, dense_target_p
+from eagle_fast.supervision import TAIL_MODES, dense_target_p, dense_target_p_ragged, keep_mass_lengths
 
 
 class Eagle3Dataset(Dataset):
@@ -139,6 +141,10 @@ class Eagle3Dataset(Dataset):
     def _target_p(self, sample: dict[str, torch.Tensor], tail: str) -> torch.Tensor:
         if "draft_logprobs" in sample:
             return sample["draft_logprobs"].float().exp()
+        if "draft_topk_lengths" in sample:  # --keep-mass: a different k per token
+            return dense_target_p_ragged(sample["draft_topk_lengths"], sample["draft_topk_ids"],
+                                         sample["draft_topk_logprobs"], sample["draft_topk_tail"],
+                                         self.spec.draft_size, tail)
         if "draft_topk_ids" in sample:
             return dense_target_p(sample["draft_topk_ids"], sample["draft_topk_logprobs"],
                                   sample["draft_topk_tail"], self.spec.draft_size, tail)
@@ -166,6 +172,25 @@ class Eagle3Dataset(Dataset):
         out = Eagle3Dataset.collate(batch)
         out["attention_mask"] = out["attention_mask"].to(torch.int64)
         return out
+
+    def keep_mass_stats(self) -> tuple[float, int, int]:
+        """--keep-mass datasets: (mean kept k, tokens that hit the cap, tokens) over every shard.
+
+        A token hit the cap when its k ids (k = --k) hold less than the kept mass, decided as the
+        writer decided it (`supervision.keep_mass_lengths` on the stored log-probs)."""
+        if not self.layout.ragged:
+            raise UserError(f"{self.root} keeps a fixed k = {self.spec.k} per token", "extract with --keep-mass P")
+        kept = capped = tokens = 0
+        for rec in self.shards:
+            h = _safe_open(self.root / rec["files"][0]["path"], self._h())
+            lengths = h.get_tensor("draft_topk_lengths").long()
+            logprobs = h.get_tensor("draft_topk_logprobs")
+            full = (lengths == self.spec.k).nonzero().squeeze(-1)
+            starts = lengths.cumsum(0) - lengths
+            rows = logprobs[starts[full, None] + torch.arange(self.spec.k)]
+            capped += int(keep_mass_lengths(rows, torch.zeros(len(full)), self.spec.keep_mass)[2].sum())
+            kept, tokens = kept + int(lengths.sum()), tokens + lengths.numel()
+        return kept / max(tokens, 1), capped, tokens
 
     def length(self, index: int) -> int:
         """Token count of sample `index` (unpadded)."""
@@ -203,13 +228,19 @@ class Eagle3Dataset(Dataset):
         """Right-pad native samples to the longest one; adds `attention_mask` [B, T] (bool).
 
         Padded rows are zero (`pad_id` for input_ids, False for masks), so `loss_mask` keeps
-        them out of any loss.
+        them out of any loss. Ragged draft top-k samples (--keep-mass): `draft_topk_lengths` is
+        padded with 0, so the kept ids and log-probs, joined sample after sample, stay 1-d and
+        in row-major order of the padded `[B, T]` lengths.
         """
         lengths = [b["input_ids"].shape[0] for b in batch]
         T = max(lengths)
         out: dict[str, torch.Tensor] = {}
+        ragged = "draft_topk_lengths" in batch[0]
         for name in batch[0]:
             first = batch[0][name]
+            if ragged and name in ("draft_topk_ids", "draft_topk_logprobs"):
+                out[name] = torch.cat([b[name] for b in batch])
+                continue
             full = torch.full((len(batch), T, *first.shape[1:]), pad_id if name == "input_ids" else 0,
                               dtype=first.dtype)
             for i, b in enumerate(batch):

@@ -16,6 +16,12 @@ fp32 + argmax_in_draft | topk_ids int32 + topk_logprobs + topk_tail | logits [T,
 hidden [T, H]; every head kind also argmax int32, and all but draft-topk lse fp32. Unshifted: row t is the target's output after
 tokens 0..t. Ids are int32 on disk and int64 when read. `hidden` takes --aux-dtype fp8 too
 (its own per-token scale, hidden_scale).
+draft-topk with --keep-mass P (ragged): draft_topk_lengths [T] (k_t, the fewest ids holding P of
+the draft mass, at most k; uint8 up to k = 255) replaces the [T, k] width: draft_topk_ids and
+draft_topk_logprobs are 1-d, each token's k_t kept ids in order, token after token, and
+draft_topk_offsets [n+1] (per sample, like offsets) gives each sample's range in them;
+draft_topk_tail is the mass outside the kept ids. The ragged fields are written at commit
+(`SafetensorsWriter`'s late tensors), so a shard's kept ids wait in memory until then.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from eagle_fast.inputs import SamplePlan, ShardPlan
 from eagle_fast.store.fp8 import FP8, SCALE_NAMES, quantize, stored_dtype
 from eagle_fast.store.manifest import file_record
 from eagle_fast.store.safetensors import SafetensorsWriter, open_safetensors
+from eagle_fast.supervision import keep_mass_lengths
 
 LAYOUTS = ("native", "nemo", "speculators", "specforge")
 KINDS = ("draft", "draft-topk", "topk", "lse", "logits", "hidden")
@@ -55,6 +62,7 @@ class LayoutSpec:
     max_len: int              # nemo: seq_length every field is padded to
     pad_token_id: int = 0
     aux_dtype: str = "auto"   # stored hidden states: auto (= dtype) | fp8 (store/fp8.py)
+    keep_mass: float = 0.0    # draft-topk: keep per token the fewest ids holding this mass (0: k ids)
 
 
 HEAD_FIELDS = {
@@ -184,6 +192,12 @@ def shard_file_name(index: int) -> str:
 # ------------------------------------------------------------------------------ native
 
 _INT_ON_DISK = ("input_ids", "argmax", "topk_ids", "draft_topk_ids")
+_LENGTHS = ("draft_topk_lengths",)  # stored in the smallest type, read as int64
+
+
+def length_dtype(k: int) -> torch.dtype:
+    """The smallest integer dtype that holds lengths 0..k (uint8, int16 or int32)."""
+    return draft_index_dtype(k + 1)
 
 
 def draft_index_dtype(draft_size: int) -> torch.dtype:
@@ -223,7 +237,11 @@ class NativeLayout(Layout):
         if s.kind != "draft-topk":
             out["lse"] = (torch.float32, ())
         out["argmax"] = (torch.int32, ())
-        if s.kind == "draft-topk":
+        if s.kind == "draft-topk" and self.ragged:
+            out["draft_topk_lengths"] = (length_dtype(s.k), ())
+            out["draft_topk_tail"] = (torch.float32, ())
+            out["argmax_in_draft"] = (torch.bool, ())
+        elif s.kind == "draft-topk":
             out["draft_topk_ids"] = (draft_index_dtype(s.draft_size), (s.k,))
             out["draft_topk_logprobs"] = (s.out_dtype, (s.k,))
             out["draft_topk_tail"] = (torch.float32, ())
@@ -239,17 +257,40 @@ class NativeLayout(Layout):
             out["logits"] = (s.out_dtype, (s.vocab_size,))
         return out
 
+    @property
+    def ragged(self) -> bool:
+        """A different k per token (draft-topk with --keep-mass)."""
+        return self.spec.kind == "draft-topk" and self.spec.keep_mass > 0
+
+    def kept_fields(self) -> dict[str, torch.dtype]:
+        """Field -> disk dtype of the ragged fields: one element per kept id (empty unless ragged)."""
+        if not self.ragged:
+            return {}
+        return {"draft_topk_ids": draft_index_dtype(self.spec.draft_size),
+                "draft_topk_logprobs": self.spec.out_dtype}
+
     def fields(self) -> dict[str, dict]:
         out = {}
         for name, (dtype, trailing) in self.token_fields().items():
-            read_dtype = torch.int64 if name in _INT_ON_DISK else dtype
+            read_dtype = torch.int64 if name in _INT_ON_DISK + _LENGTHS else dtype
             out[name] = {"dtype": long_name(read_dtype), "shape": ["T", *trailing]}
+        for name, dtype in self.kept_fields().items():
+            read_dtype = torch.int64 if name in _INT_ON_DISK else dtype
+            out[name] = {"dtype": long_name(read_dtype), "shape": ["sum(draft_topk_lengths)"]}
         return out
 
     def encode(self, sample, result):
         out = {}
+        if self.ragged:
+            lengths, tail, _ = keep_mass_lengths(result["draft_topk_logprobs"], result["draft_topk_tail"],
+                                                 self.spec.keep_mass)
+            keep = torch.arange(self.spec.k, device=lengths.device)[None, :] < lengths[:, None]
+            out["draft_topk_lengths"] = lengths
+            out["draft_topk_tail"] = tail
+            out["draft_topk_ids"] = result["draft_topk_ids"][keep].to(torch.int64)
+            out["draft_topk_logprobs"] = result["draft_topk_logprobs"][keep].to(self.spec.out_dtype)
         for name, (dtype, _) in self.token_fields().items():
-            if name in out:  # a scale, made with its fp8 values
+            if name in out:  # a scale, made with its fp8 values; the ragged fields, made above
                 continue
             t = result[name]
             if dtype == FP8:  # quantise what --aux-dtype auto would store
@@ -272,14 +313,24 @@ class NativeLayout(Layout):
         out = {}
         for name in self.token_fields():
             t = h.get_slice(name)[a:b]
-            out[name] = t.to(torch.int64) if name in _INT_ON_DISK else t
+            out[name] = t.to(torch.int64) if name in _INT_ON_DISK + _LENGTHS else t
+        if self.ragged:
+            kept = h.get_slice("draft_topk_offsets")[local_index: local_index + 2]
+            c, d = int(kept[0]), int(kept[1])
+            for name in self.kept_fields():
+                t = h.get_slice(name)[c:d]
+                out[name] = t.to(torch.int64) if name in _INT_ON_DISK else t
         return out
 
 
-def native_index_fields(n: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """Field -> (dtype, shape) of a native shard's per-sample index fields, for `n` samples."""
-    return {"offsets": (torch.int64, (n + 1,)), "sample_index": (torch.int64, (n,)),
-            "source_line": (torch.int64, (n,))}
+def native_index_fields(n: int, ragged: bool = False) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Field -> (dtype, shape) of a native shard's per-sample index fields, for `n` samples
+    (`ragged`: plus each sample's range in the kept draft ids, draft_topk_offsets)."""
+    out = {"offsets": (torch.int64, (n + 1,)), "sample_index": (torch.int64, (n,)),
+           "source_line": (torch.int64, (n,))}
+    if ragged:
+        out["draft_topk_offsets"] = (torch.int64, (n + 1,))
+    return out
 
 
 class _NativeSink(ShardSink):
@@ -291,12 +342,16 @@ class _NativeSink(ShardSink):
             offsets.append(offsets[-1] + n)
         self.offsets = offsets
         total = offsets[-1]
-        specs = native_index_fields(len(shard.samples))
+        specs = native_index_fields(len(shard.samples), layout.ragged)
         self.fields = layout.token_fields()
         for name, (dtype, trailing) in self.fields.items():
             specs[name] = (dtype, (total, *trailing))
         meta = {"format": "eagle-fast", "layout": "native", "shard": str(shard.index)}
-        self.writer = SafetensorsWriter(root / shard_file_name(shard.index), specs, meta)
+        # Ragged: each sample's kept ids wait here until commit, when their lengths are known.
+        self.kept_fields = layout.kept_fields()
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+        late = {name: (dtype, total * layout.spec.k) for name, dtype in self.kept_fields.items()}
+        self.writer = SafetensorsWriter(root / shard_file_name(shard.index), specs, meta, late=late)
         try:
             self.writer.write("offsets", 0, torch.tensor(offsets, dtype=torch.int64))
             self.writer.write("sample_index", 0, torch.tensor([s.index for s in shard.samples]))
@@ -309,9 +364,20 @@ class _NativeSink(ShardSink):
         row = self.offsets[local_index]
         for name in self.fields:
             self.writer.write(name, row, encoded[name])
+        if self.kept_fields:
+            self.kept[local_index] = {n: encoded[n].to(d).cpu() for n, d in self.kept_fields.items()}
 
     def commit(self):
-        path = self.writer.commit()
+        late = None
+        if self.kept_fields:
+            n = len(self.offsets) - 1
+            missing = [i for i in range(n) if i not in self.kept]
+            if missing:
+                raise RuntimeError(f"samples {missing[:5]} never written")
+            counts = [int(self.kept[i]["draft_topk_ids"].numel()) for i in range(n)]
+            self.writer.write("draft_topk_offsets", 0, torch.tensor([0, *counts]).cumsum(0))
+            late = {name: torch.cat([self.kept[i][name] for i in range(n)]) for name in self.kept_fields}
+        path = self.writer.commit(late)
         return [file_record(path, self.root)]
 
     def abort(self):

@@ -32,7 +32,8 @@ class SafetensorsWriter:
     land in sample order. The bytes depend only on the specs and the data: tensors are laid
     out in name order, the JSON header has sorted keys and is space-padded to 8-byte
     alignment (as safetensors itself does). `commit()` fsyncs and renames the temp file
-    into place; `abort()` removes it.
+    into place; `abort()` removes it. `late` tensors (1-d, their length known only at commit,
+    e.g. the ragged draft top-k) are given to `commit` whole and laid out after the others.
     """
 
     def __init__(
@@ -41,12 +42,36 @@ class SafetensorsWriter:
         specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
         metadata: dict[str, str] | None = None,
         tag: str = "",
+        late: dict[str, tuple[torch.dtype, int]] | None = None,
     ):
         self.path = Path(path)
         self.tmp = temp_path_for(self.path, tag)
-        header: dict[str, Any] = {}
         self._layout: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
-        offset = 0
+        header, offset = self._place(specs, 0, self._layout)
+        self._fixed_header = dict(header)
+        self._metadata = {str(k): str(v) for k, v in sorted(metadata.items())} if metadata else None
+        # `late`: 1-d tensors (name -> (dtype, most elements)) whose length is known at commit
+        # only; they follow the others, and the header is sized for their largest length, so
+        # the rows written before stay where they are (the header is space-padded to it).
+        self._late = dict(late or {})
+        self._fixed_end = offset
+        if self._late:
+            header.update(self._place({n: (d, (most,)) for n, (d, most) in self._late.items()}, offset, {})[0])
+        raw = self._header_bytes(header)
+        self._data_start = 8 + len(raw)
+        self.total_bytes = self._data_start + offset
+        self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+            os.ftruncate(self._fd, self.total_bytes)
+        except BaseException:
+            self.abort()
+            raise
+
+    @staticmethod
+    def _place(specs, offset: int, layout: dict) -> tuple[dict[str, Any], int]:
+        """Header entries for `specs` laid out in name order from `offset`; fills `layout`."""
+        header: dict[str, Any] = {}
         for name in sorted(specs):
             dtype, shape = specs[name]
             shape = tuple(int(s) for s in shape)
@@ -57,21 +82,15 @@ class SafetensorsWriter:
             row_bytes = nbytes // shape[0] if shape and shape[0] else 0
             header[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
-            self._layout[name] = (offset, row_bytes, dtype, shape)
+            layout[name] = (offset, row_bytes, dtype, shape)
             offset += nbytes
-        if metadata:
-            header["__metadata__"] = {str(k): str(v) for k, v in sorted(metadata.items())}
+        return header, offset
+
+    def _header_bytes(self, header: dict[str, Any]) -> bytes:
+        if self._metadata:
+            header["__metadata__"] = self._metadata
         raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-        raw += b" " * ((-(8 + len(raw))) % 8)
-        self._data_start = 8 + len(raw)
-        self.total_bytes = self._data_start + offset
-        self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
-            os.ftruncate(self._fd, self.total_bytes)
-        except BaseException:
-            self.abort()
-            raise
+        return raw + b" " * ((-(8 + len(raw))) % 8)
 
     def write(self, name: str, row: int, tensor: torch.Tensor) -> None:
         """Write `tensor` (rows of `name`'s trailing shape) starting at row `row`."""
@@ -88,7 +107,28 @@ class SafetensorsWriter:
         buf = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         os.pwrite(self._fd, buf, self._data_start + begin + row * row_bytes)
 
-    def commit(self) -> Path:
+    def commit(self, late: dict[str, torch.Tensor] | None = None) -> Path:
+        """Fsync and rename into place; `late` gives the late tensors (1-d), all of them."""
+        if set(late or {}) != set(self._late):
+            raise ValueError(f"commit needs the late tensors {sorted(self._late)}, got {sorted(late or {})}")
+        if self._late:
+            tensors = {n: late[n].detach().reshape(-1).to(self._late[n][0]) for n in self._late}
+            for n, t in tensors.items():
+                if t.numel() > self._late[n][1]:
+                    raise ValueError(f"{n}: {t.numel()} elements, more than the {self._late[n][1]} reserved")
+            layout: dict = {}
+            header, end = self._place({n: (t.dtype, (t.numel(),)) for n, t in tensors.items()},
+                                      self._fixed_end, layout)
+            header.update(self._fixed_header)
+            raw = self._header_bytes(header)
+            if 8 + len(raw) > self._data_start:
+                raise RuntimeError("the late tensors' header outgrew its reserved space")
+            raw += b" " * (self._data_start - 8 - len(raw))
+            os.pwrite(self._fd, struct.pack("<Q", len(raw)) + raw, 0)
+            for n, t in tensors.items():
+                if t.numel():
+                    os.pwrite(self._fd, t.cpu().contiguous().view(torch.uint8).numpy(), self._data_start + layout[n][0])
+            os.ftruncate(self._fd, self._data_start + end)
         os.fsync(self._fd)
         os.close(self._fd)
         self._fd = -1

@@ -22,13 +22,14 @@ from eagle_fast.dtypes import SHORT_NAMES, long_name
 from eagle_fast.store import make_layout
 from eagle_fast.store.layouts import Layout, LayoutSpec, NativeLayout, native_index_fields
 
-PER = ("token", "position", "sample")
+PER = ("token", "position", "sample", "kept")
 
 
 @dataclass(frozen=True)
 class FieldSize:
     """One stored field: `shape` is per `per` unit (token | position | sample); `fixed` bytes come
-    once per shard file (native `offsets` holds n + 1 entries)."""
+    once per shard file (native `offsets` holds n + 1 entries). "kept": one element per kept
+    draft id (--keep-mass), `shape` (k,) its most per token, so `nbytes` is a bound per token."""
 
     name: str
     dtype: torch.dtype
@@ -53,7 +54,8 @@ def field_sizes(layout: Layout) -> list[FieldSize]:
     """Every field `layout` writes into its shard files, with its bytes per token / position / sample."""
     if isinstance(layout, NativeLayout):
         out = [FieldSize(n, d, tuple(t), "token") for n, (d, t) in layout.token_fields().items()]
-        one, none = native_index_fields(1), native_index_fields(0)
+        out += [FieldSize(n, d, (layout.spec.k,), "kept") for n, d in layout.kept_fields().items()]
+        one, none = native_index_fields(1, layout.ragged), native_index_fields(0, layout.ragged)
         for name, (dtype, shape) in one.items():
             fixed = math.prod(none[name][1])
             out.append(FieldSize(name, dtype, (shape[0] - fixed,), "sample",
@@ -73,22 +75,26 @@ def field_sizes(layout: Layout) -> list[FieldSize]:
     return out
 
 
-def bytes_per_token(sizes: list[FieldSize] | Layout) -> dict[str, int]:
-    """Field -> bytes per token (nemo: per padded position), for the fields that grow with tokens."""
+def bytes_per_token(sizes: list[FieldSize] | Layout, mean_k: float | None = None) -> dict[str, float]:
+    """Field -> bytes per token (nemo: per padded position), for the fields that grow with tokens;
+    "kept" fields at `mean_k` kept ids per token (default: at the cap k, a bound)."""
     sizes = field_sizes(sizes) if isinstance(sizes, Layout) else sizes
-    return {f.name: f.nbytes for f in sizes if f.per != "sample"}
+    return {f.name: f.nbytes if f.per != "kept" or mean_k is None else f.nbytes / f.shape[0] * mean_k
+            for f in sizes if f.per != "sample"}
 
 
 def tensor_bytes(sizes: list[FieldSize] | Layout, tokens: int, samples: int, shards: int = 1,
-                 positions: int | None = None) -> int:
+                 positions: int | None = None, kept: int | None = None) -> int:
     """Bytes of tensor data (headers aside) that `tokens` tokens in `samples` samples and `shards`
-    shard files take; `positions` defaults to samples x max_len for padded layouts."""
+    shard files take; `positions` defaults to samples x max_len for padded layouts; `kept`
+    (the kept draft ids, --keep-mass) to every token at the cap."""
     layout = sizes if isinstance(sizes, Layout) else None
     sizes = field_sizes(sizes) if layout is not None else sizes
     if positions is None:
         positions = samples * layout.spec.max_len if layout is not None else 0
     units = {"token": tokens, "position": positions, "sample": samples}
-    return sum(f.nbytes * units[f.per] + f.fixed * shards for f in sizes)
+    return sum(f.nbytes * units[f.per] + f.fixed * shards if f.per != "kept" else
+               f.nbytes // f.shape[0] * (tokens * f.shape[0] if kept is None else kept) for f in sizes)
 
 
 def layout_bytes_per_token(layout: str, supervision: str, *, hidden_size: int, vocab_size: int,
@@ -127,7 +133,8 @@ def size_table(sizes: list[FieldSize], tokens: int = 0, samples: int = 0, max_le
     if padded:
         head += f" (every sample is padded to seq_length {max_len:,})" if max_len else " (padded)"
     lines = [head]
-    shapes = ["[" + ", ".join(str(d) for d in ("S" if padded else "T", *f.shape)) + "]" for f in per_unit]
+    shapes = ["[" + ", ".join(str(d) for d in ("S" if padded else "T", *f.shape)) + "]" if f.per != "kept"
+              else f"[T, <={f.shape[0]}]" for f in per_unit]
     shape_width = max(map(len, shapes), default=0)
     for f, shape in zip(per_unit, shapes):
         lines.append(f"{indent}{f.name:<{width}} {_fmt(f.nbytes):>10}  {long_name(f.dtype):<13} "
