@@ -23,9 +23,10 @@ from eagle_fast.errors import UserError
 from eagle_fast.files import read_safetensors_header
 from eagle_fast.pipeline.inspect import inspect_text
 from eagle_fast.pipeline.run import extract
-from eagle_fast.pipeline.verify import verify
+from eagle_fast.pipeline.verify import kl_reports, verify
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.dataset import Eagle3Dataset
+from eagle_fast.store.fidelity import kl_check
 from eagle_fast.store.layouts import length_dtype
 from eagle_fast.store.manifest import read_manifest
 from eagle_fast.store.sizes import field_sizes, tensor_bytes
@@ -126,7 +127,9 @@ def test_ragged_fields_on_disk(pair):
     assert m["layout_spec"]["keep_mass"] == p and m["supervision"]["keep_mass"] == p
     assert m["settings"]["keep_mass"] == p
     ok, reports, _ = verify(str(tmp / "ragged"), samples=2)
-    assert ok and {"draft_topk_lengths", "draft_topk_ids", "draft_topk_logprobs"} <= {r.name for r in reports}
+    names = {r.name for r in reports}
+    assert ok and {"draft_topk_lengths", "draft_topk_ids", "draft_topk_logprobs"} <= names
+    assert {f"kl {mode}" for mode in TAIL_MODES} <= names  # the KL bound from the stored tail, checked
 
 
 @pytest.mark.parametrize("mode", TAIL_MODES)
@@ -221,3 +224,47 @@ def test_cli_refuses_keep_mass_out_of_range(tmp_path, tiny_llama, capsys):
                             "--engine", "hf", "--supervision", "draft-topk", "--keep-mass", "1.5")
     assert code != 0 and "--keep-mass 1.5 is not a share" in err
 
+
+@pytest.fixture(scope="module")
+def dense(pair, tiny_llama):
+    """The same data with the dense draft distribution (fp32): the truth the bounds hold against."""
+    _, _, _, tmp = pair
+    vocab = str(tmp / "v.pt")
+    extract(cfg_for(tiny_llama, tmp / "d.jsonl", tmp / "dense", supervision="draft", draft_vocab=vocab,
+                    out_dtype="fp32"))
+    return Eagle3Dataset(tmp / "dense")
+
+
+@pytest.mark.parametrize("mode", TAIL_MODES)
+def test_kl_within_the_bound_from_the_stored_tail(pair, dense, mode):
+    fixed, ragged, _, _ = pair
+    for ds, name in ((ragged, "keep-mass"), (fixed, "fixed k")):
+        for i in range(len(ds)):
+            s, p = ds[i], dense.target_p(i)
+            if "draft_topk_lengths" in s:
+                sparse = (s["draft_topk_lengths"], s["draft_topk_ids"], s["draft_topk_logprobs"])
+            else:
+                sparse = (torch.full((p.shape[0],), K), s["draft_topk_ids"].reshape(-1),
+                          s["draft_topk_logprobs"].reshape(-1))
+            # tail_tol: verify's fp32 tolerance (the dense and sparse head calls round apart)
+            kl, bound, allowance = kl_check(p, *sparse, s["draft_topk_tail"], len(DRAFT_IDS), mode, 2e-3)
+            assert bool((bound > 0.05).all()) and bool((allowance < bound / 4).all()), f"{name} [{i}]"
+            over = kl - bound - allowance
+            assert bool((over <= 0).all()), f"{mode} {name} [{i}]: KL beyond its bound by {float(over.max())}"
+            if mode != "spread":  # equalities: a shifted target (another token's p) must break them
+                assert bool(((kl - bound).abs() <= allowance).all()), f"{mode} {name} [{i}]"
+                wrong = kl_check(p.roll(1, 0), *sparse, s["draft_topk_tail"], len(DRAFT_IDS), mode, 1.0)[0]
+                assert float(((wrong - bound).abs() > allowance).double().mean()) > 0.5, f"{mode} control [{i}]"
+
+
+def test_verify_holds_fixed_k_to_the_bound_and_fails_a_wrong_tail(pair, dense):
+    fixed, ragged, _, tmp = pair
+    ok, reports, _ = verify(str(tmp / "fixed"), samples=2)
+    kl = {r.name: r for r in reports if r.kind == "kl"}
+    assert ok and set(kl) == {f"kl {mode}" for mode in TAIL_MODES}
+    assert all(0 < r.value <= 1 for r in kl.values())
+    # negative control: the same samples with their stored tail halved break every bound
+    for ds in (fixed, ragged):
+        stored = [{**ds.raw(i), "draft_topk_tail": ds.raw(i)["draft_topk_tail"] / 2} for i in range(2)]
+        wrong = kl_reports(stored, [dense.raw(i)["draft_logprobs"] for i in range(2)], ds.spec, 2e-3)
+        assert not any(r.ok for r in wrong), [(r.name, r.value) for r in wrong]

@@ -19,12 +19,14 @@ from safetensors.torch import load_file
 from eagle_fast.checkpoint import load_model_info
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
-from eagle_fast.pipeline.run import compute_batch
+from eagle_fast.pipeline.run import supervise_batch
 from eagle_fast.runners.factory import default_runner_factory
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.dataset import Eagle3Dataset
+from eagle_fast.store.fidelity import kl_check
 from eagle_fast.store.fp8 import FP8, SCALE_NAMES, dequantize, error_bound
 from eagle_fast.store.manifest import diff_settings
+from eagle_fast.supervision import TAIL_MODES
 
 # ----------------------------------------------------------------------------- verify
 
@@ -32,9 +34,9 @@ from eagle_fast.store.manifest import diff_settings
 @dataclass
 class FieldReport:
     name: str
-    kind: str            # float | exact | rate | fp8
+    kind: str            # float | exact | rate | fp8 | kl
     value: float         # max abs error (float), mismatches (exact), mismatch rate (rate),
-                         # largest error / its allowance (fp8)
+                         # largest error / its allowance (fp8), largest KL / its bound (kl)
     limit: float
     scale: float = 0.0
 
@@ -105,7 +107,9 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
     Tolerances (relative to a field's largest magnitude, at least 1): fp32 2e-3, fp16 2e-2,
     bf16 6e-2; integer-valued fields that can flip at near-ties (argmax, top-k ids, the
     draft-membership masks) may differ at up to 1 % / 5 % / 10 % of positions; token ids and
-    masks must match exactly. Also re-hashes every file against the manifest.
+    masks must match exactly. Also re-hashes every file against the manifest. A draft-topk
+    dataset's rebuilt target_p is held, token by token and in every mode, to the KL bound its
+    stored tail gives (`store.fidelity`) against the recomputed dense draft distribution.
     """
 
     ds = Eagle3Dataset(directory, verify="full" if full_checksums else "cheap")
@@ -134,7 +138,12 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
     try:
         runner.set_aux_layers(m["aux_layer_ids"])
         plans = [ds.sample_plan(i) for i in picks]
-        results = compute_batch(runner, plans, layout, draft_ids, spec.k)
+        caps = runner.capture([p.input_ids for p in plans])
+        results = supervise_batch(runner, plans, caps, layout, draft_ids, spec.k)
+        dense = None
+        if spec.kind == "draft-topk":  # the dense draft distribution the sparse one stands for
+            dense_layout = make_layout(replace(spec, kind="draft", k=0, keep_mass=0.0, out_dtype=torch.float32))
+            dense = supervise_batch(runner, plans, caps, dense_layout, draft_ids, 0)
     finally:
         runner.close()
     fp8_all: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
@@ -158,8 +167,11 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
                 continue
             stored_all.setdefault(name, []).append(a.reshape(-1))
             recomputed_all.setdefault(name, []).append(b.reshape(-1))
-    reports = compare_fields({k: torch.cat(v) for k, v in stored_all.items()},
-                             {k: torch.cat(v) for k, v in recomputed_all.items()}, spec.dtype, tol_scale)
+    reports_kl = [] if dense is None else kl_reports([ds.raw(i) for i in picks], [r["draft_logprobs"] for r in dense],
+                                                     spec, _FLOAT_RTOL[spec.dtype] * tol_scale)
+    reports = reports_kl + compare_fields({k: torch.cat(v) for k, v in stored_all.items()},
+                                          {k: torch.cat(v) for k, v in recomputed_all.items()}, spec.dtype,
+                                          tol_scale)
     for name, parts in fp8_all.items():
         if name not in broken:
             reports.append(compare_fp8(name, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
@@ -168,16 +180,39 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
     return all(r.ok for r in reports), reports, picks
 
 
+def kl_reports(stored: list[dict], draft_logprobs: list[torch.Tensor], spec, tail_tol: float) -> list[FieldReport]:
+    """One report per tail mode: the largest per-token KL of the rebuilt target_p over its bound
+    plus allowance (`store.fidelity.kl_check`), over every stored sample against its recomputed
+    dense draft log-probs; at most 1 passes. `tail_tol`: how far the stored tail may be from
+    the recomputed mass outside the kept ids (the float tolerance of the other fields)."""
+    reports = []
+    for mode in TAIL_MODES:
+        worst = 0.0
+        for s, lp in zip(stored, draft_logprobs):
+            if "draft_topk_lengths" in s:
+                sparse = (s["draft_topk_lengths"], s["draft_topk_ids"], s["draft_topk_logprobs"])
+            else:
+                ids = s["draft_topk_ids"]
+                sparse = (torch.full((ids.shape[0],), ids.shape[1]), ids.reshape(-1),
+                          s["draft_topk_logprobs"].reshape(-1))
+            kl, bound, allowance = kl_check(lp.double().exp(), *sparse, s["draft_topk_tail"], spec.draft_size, mode,
+                                         tail_tol)
+            if kl.numel():
+                worst = max(worst, float((kl / (bound + allowance)).max()))
+        reports.append(FieldReport(f"kl {mode}", "kl", worst, 1.0))
+    return reports
+
+
 def verify_report(ok: bool, reports, picks, directory: str) -> str:
     """The table `eagle-fast verify` prints: one line per field, then PASS or FAIL."""
     lines = [f"verify {directory}: recomputed samples {picks} with HFTargetRunner",
              f"  {'field':<22} {'check':<6} {'max error':>12} {'limit':>12}  result"]
     for r in reports:
         value = f"{r.value:.3e}" if r.kind == "float" else (f"{100 * r.value:.2f}%" if r.kind == "rate"
-                                                            else f"{r.value:.3f} bound" if r.kind == "fp8"
+                                                            else f"{r.value:.3f} bound" if r.kind in ("fp8", "kl")
                                                             else f"{int(r.value)} diff")
         limit = f"{r.limit:.3e}" if r.kind == "float" else (f"{100 * r.limit:.2f}%" if r.kind == "rate"
-                                                            else "1 bound" if r.kind == "fp8" else "exact")
+                                                            else "1 bound" if r.kind in ("fp8", "kl") else "exact")
         lines.append(f"  {r.name:<22} {r.kind:<6} {value:>12} {limit:>12}  {'ok' if r.ok else 'FAIL'}")
     lines.append("verify: PASS" if ok else "verify: FAIL (errors beyond tolerance)")
     return "\n".join(lines)
