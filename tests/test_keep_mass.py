@@ -15,13 +15,14 @@ import math
 import pytest
 import torch
 from _assert import assert_close
-from _pipeline import mixed_jsonl, run_main
+from _pipeline import manifest_core, mixed_jsonl, run_main, tree_digest
 from safetensors import safe_open
 from test_extract import cfg_for
 
 from eagle_fast.errors import UserError
 from eagle_fast.files import read_safetensors_header
 from eagle_fast.pipeline.inspect import inspect_text
+from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import kl_reports, verify
 from eagle_fast.store import make_layout, spec_from_manifest
@@ -268,3 +269,17 @@ def test_verify_holds_fixed_k_to_the_bound_and_fails_a_wrong_tail(pair, dense):
         stored = [{**ds.raw(i), "draft_topk_tail": ds.raw(i)["draft_topk_tail"] / 2} for i in range(2)]
         wrong = kl_reports(stored, [dense.raw(i)["draft_logprobs"] for i in range(2)], ds.spec, 2e-3)
         assert not any(r.ok for r in wrong), [(r.name, r.value) for r in wrong]
+
+
+def test_nodes_merge_to_the_single_run_and_another_p_is_not_mixed_in(pair, tiny_llama):
+    _, ragged, p, tmp = pair
+    common = dict(supervision="draft-topk", k=K, draft_vocab=str(tmp / "v.pt"), out_dtype="bf16", keep_mass=p)
+    for i in range(2):
+        extract(cfg_for(tiny_llama, tmp / "d.jsonl", tmp / "shared", shard=f"{i}/2", **common))
+    merge(str(tmp / "shared"))
+    assert tree_digest(tmp / "shared", skip_manifest=True) == tree_digest(tmp / "ragged", skip_manifest=True)
+    assert manifest_core(tmp / "shared") == manifest_core(tmp / "ragged")
+    with pytest.raises(UserError, match="different settings.*keep_mass"):
+        extract(cfg_for(tiny_llama, tmp / "d.jsonl", tmp / "ragged", **{**common, "keep_mass": 0.5}))
+    with pytest.raises(UserError, match="different settings.*keep_mass"):
+        extract(cfg_for(tiny_llama, tmp / "d.jsonl", tmp / "ragged", **{**common, "keep_mass": None}))
