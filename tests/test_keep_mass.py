@@ -106,6 +106,8 @@ def test_cap_count_and_inspect(pair):
     assert f"keep mass   {p}" in text, text
     assert f"mean k {lengths.double().mean():.2f} of at most {K}" in text, text
     assert f"{n:,} of {capped.numel():,} tokens hit the cap ({100 * n / capped.numel():.1f} %)" in text, text
+    kept_bytes = float(lengths.double().mean()) * (1 + 2)  # uint8 ids, bf16 log-probs
+    assert f"the kept ids and log-probs take {kept_bytes:,.1f} bytes/token here" in text, text
     assert "keep mass" not in inspect_text(str(tmp / "fixed"))
 
 

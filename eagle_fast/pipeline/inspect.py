@@ -57,15 +57,18 @@ def inspect_text(directory: str) -> str:
                                   for k, v in m["fields"].items()),
     ]
     spec = spec_from_manifest(m)
-    lines += size_table(field_sizes(make_layout(spec)), tokens, sum(r["samples"] for r in done), spec.max_len)
+    sizes = field_sizes(make_layout(spec))
+    lines += size_table(sizes, tokens, sum(r["samples"] for r in done), spec.max_len)
     if m.get("complete"):
         ds = Eagle3Dataset(directory)
         lengths = [ds.length(i) for i in range(len(ds))]
         lines.append(f"lengths     min {min(lengths)}, mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)}")
         if spec.keep_mass:
             mean_k, capped, n = ds.keep_mass_stats()
+            kept_bytes = sum(f.nbytes / spec.k * mean_k for f in sizes if f.per == "kept")
             lines.append(f"keep mass   {spec.keep_mass}: mean k {mean_k:.2f} of at most {spec.k}; "
-                         f"{capped:,} of {n:,} tokens hit the cap ({100 * capped / max(n, 1):.1f} %)")
+                         f"{capped:,} of {n:,} tokens hit the cap ({100 * capped / max(n, 1):.1f} %); "
+                         f"the kept ids and log-probs take {kept_bytes:,.1f} bytes/token here")
     for r in m.get("runs", [])[-3:]:
         lines.append(f"run         {r['samples']:,} samples on {r['engine']} at {r['tokens_per_second'] or 0:,.0f} "
                      f"tokens/s (build {r['build_seconds']:.1f} s)")
