@@ -285,3 +285,25 @@ def test_nodes_merge_to_the_single_run_and_another_p_is_not_mixed_in(pair, tiny_
         extract(cfg_for(tiny_llama, tmp / "d.jsonl", tmp / "ragged", **{**common, "keep_mass": 0.5}))
     with pytest.raises(UserError, match="different settings.*keep_mass"):
         extract(cfg_for(tiny_llama, tmp / "d.jsonl", tmp / "ragged", **{**common, "keep_mass": None}))
+
+
+@pytest.mark.parametrize("n", [0, 1, 37, 40])
+def test_late_tensors_land_after_the_rows_written_before(tmp_path, n):
+    """The writer's late tensors (the ragged fields' home): any length up to the reserve reads back."""
+    from eagle_fast.store.safetensors import SafetensorsWriter
+
+    rows = torch.randn(5, 3)
+    late = torch.randint(0, 200, (n,), dtype=torch.int16)
+    w = SafetensorsWriter(tmp_path / "f.safetensors", {"rows": (torch.float32, (5, 3))}, {"m": "1"},
+                          late={"late": (torch.int16, 40)})
+    w.write("rows", 0, rows)
+    with pytest.raises(ValueError, match="commit needs the late tensors"):
+        w.commit()
+    path = w.commit({"late": late})
+    with safe_open(str(path), "pt") as h:
+        assert torch.equal(h.get_tensor("rows"), rows) and torch.equal(h.get_tensor("late"), late)
+        assert h.metadata() == {"m": "1"}
+    w = SafetensorsWriter(tmp_path / "g.safetensors", {"rows": (torch.float32, (5, 3))}, late={"late": (torch.int16, 4)})
+    with pytest.raises(ValueError, match="more than the 4 reserved"):
+        w.commit({"late": torch.zeros(5, dtype=torch.int16)})
+    w.abort()
