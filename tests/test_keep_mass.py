@@ -67,7 +67,7 @@ def pair(tmp_path_factory, tiny_llama):
     mass = torch.cat([fixed[i]["draft_topk_logprobs"].double().exp().sum(1) for i in range(len(fixed))])
     p = round(float(mass.quantile(0.4)), 4)
     summary = extract(cfg_for(tiny_llama, data, tmp / "ragged", keep_mass=p, **common))
-    assert summary.complete
+    assert summary.complete and f"keep mass    {p}: mean k" in summary.text()
     return fixed, Eagle3Dataset(tmp / "ragged"), p, tmp
 
 
@@ -94,7 +94,7 @@ def test_kept_k_is_the_smallest_reaching_p_and_the_tail_is_the_rest(pair):
     assert 1 < len(set(all_k.tolist())), "the test data should keep a different k on different tokens"
 
 
-def test_cap_count_and_inspect(pair):
+def test_cap_count_in_inspect_and_the_summary(pair, tiny_llama):
     fixed, ragged, p, tmp = pair
     capped = torch.cat([_brute_force(fixed[i]["draft_topk_logprobs"], fixed[i]["draft_topk_tail"], p)[1]
                         for i in range(len(fixed))])
@@ -106,6 +106,9 @@ def test_cap_count_and_inspect(pair):
     assert f"keep mass   {p}" in text, text
     assert f"mean k {lengths.double().mean():.2f} of at most {K}" in text, text
     assert f"{n:,} of {capped.numel():,} tokens hit the cap ({100 * n / capped.numel():.1f} %)" in text, text
+    summary = extract(cfg_for(tiny_llama, tmp / "d.jsonl", tmp / "ragged", supervision="draft-topk", k=K,
+                              draft_vocab=str(tmp / "v.pt"), out_dtype="bf16", keep_mass=p))  # nothing to do
+    assert f"keep mass    {p}: mean k {lengths.double().mean():.2f} of at most {K}; {n:,} of" in summary.text()
     kept_bytes = float(lengths.double().mean()) * (1 + 2)  # uint8 ids, bf16 log-probs
     assert f"the kept ids and log-probs take {kept_bytes:,.1f} bytes/token here" in text, text
     assert "keep mass" not in inspect_text(str(tmp / "fixed"))

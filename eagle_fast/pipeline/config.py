@@ -95,6 +95,7 @@ class Summary:
     note: str = ""
     field_sizes: tuple = ()   # store.sizes.FieldSize per stored field: the by-field table
     max_len: int = 0          # the layout's seq_length (nemo pads every sample to it)
+    keep_mass: tuple = ()     # --keep-mass: (P, k, mean kept k, tokens at the cap, tokens)
 
     @property
     def throughput(self) -> float:
@@ -124,6 +125,10 @@ class Summary:
                 f"vs fp32 logits  {fmt_bytes(self.fp32_logits_bytes)} for the same tokens with full fp32 "
                 f"logits -> saved {fmt_bytes(max(saved, 0))} ({self.fp32_logits_bytes / max(self.bytes, 1):.1f}x "
                 f"smaller)")
+        if self.keep_mass:
+            p, k, mean_k, capped, n = self.keep_mass
+            lines.append(f"keep mass    {p}: mean k {mean_k:.2f} of at most {k}; {capped:,} of {n:,} tokens "
+                         f"hit the cap ({100 * capped / max(n, 1):.1f} %)")
         if self.field_sizes:
             lines += size_table(list(self.field_sizes), self.tokens, self.samples, self.max_len)
         return "\n".join(lines)

@@ -43,6 +43,7 @@ from eagle_fast.pipeline.prepare import (
     write_manifest,
 )
 from eagle_fast.runners.factory import check_vllm_settings, default_runner_factory
+from eagle_fast.store.dataset import keep_mass_stats
 from eagle_fast.store.layouts import Layout, LayoutSpec
 from eagle_fast.store.manifest import part_slice
 from eagle_fast.store.sizes import field_sizes
@@ -423,11 +424,12 @@ def _summary(p: Prepared) -> Summary:
     tokens = sum(r["tokens"] for r in done)
     nbytes = sum(f["bytes"] for r in done for f in r["files"])
     naive = tokens * (4 * p.info.vocab_size + _aux_bytes_per_token(p.spec) + 8 + 1)
+    kept = (p.spec.keep_mass, p.spec.k, *keep_mass_stats(p.root, done, p.spec)) if p.layout.ragged and done else ()
     return Summary(
         out=str(p.root), layout=p.layout.name, supervision=p.kind,
         samples=sum(r["samples"] for r in done), tokens=tokens, shards_done=len(done),
         shards_total=len(part_slice(len(p.shards), p.part)), complete=m["complete"], bytes=nbytes,
         fp32_logits_bytes=naive,
         engine=p.engine, truncated=p.plan.truncated, skipped=p.plan.skipped, no_loss=p.plan.no_loss,
-        field_sizes=tuple(field_sizes(p.layout)), max_len=p.spec.max_len,
+        field_sizes=tuple(field_sizes(p.layout)), max_len=p.spec.max_len, keep_mass=kept,
     )

@@ -47,6 +47,22 @@ from eagle_fast.store.safetensors import open_safetensors as _safe_open
 from eagle_fast.supervision import TAIL_MODES, dense_target_p, dense_target_p_ragged, keep_mass_lengths
 
 
+def keep_mass_stats(root: Path, shards: list[dict], spec, handles: dict | None = None) -> tuple[float, int, int]:
+    """(mean kept k, tokens that hit the cap, tokens) of the native --keep-mass `shards` (manifest
+    records) under `root`; see `Eagle3Dataset.keep_mass_stats`."""
+    kept = capped = tokens = 0
+    for rec in shards:
+        h = _safe_open(Path(root) / rec["files"][0]["path"], handles)
+        lengths = h.get_tensor("draft_topk_lengths").long()
+        logprobs = h.get_tensor("draft_topk_logprobs")
+        full = (lengths == spec.k).nonzero().squeeze(-1)
+        starts = lengths.cumsum(0) - lengths
+        rows = logprobs[starts[full, None] + torch.arange(spec.k)]
+        capped += int(keep_mass_lengths(rows, torch.zeros(len(full)), spec.keep_mass)[2].sum())
+        kept, tokens = kept + int(lengths.sum()), tokens + lengths.numel()
+    return kept / max(tokens, 1), capped, tokens
+
+
 class Eagle3Dataset(Dataset):
     """Samples of an eagle-fast dataset directory (see module doc)."""
 
@@ -180,17 +196,7 @@ class Eagle3Dataset(Dataset):
         writer decided it (`supervision.keep_mass_lengths` on the stored log-probs)."""
         if not self.layout.ragged:
             raise UserError(f"{self.root} keeps a fixed k = {self.spec.k} per token", "extract with --keep-mass P")
-        kept = capped = tokens = 0
-        for rec in self.shards:
-            h = _safe_open(self.root / rec["files"][0]["path"], self._h())
-            lengths = h.get_tensor("draft_topk_lengths").long()
-            logprobs = h.get_tensor("draft_topk_logprobs")
-            full = (lengths == self.spec.k).nonzero().squeeze(-1)
-            starts = lengths.cumsum(0) - lengths
-            rows = logprobs[starts[full, None] + torch.arange(self.spec.k)]
-            capped += int(keep_mass_lengths(rows, torch.zeros(len(full)), self.spec.keep_mass)[2].sum())
-            kept, tokens = kept + int(lengths.sum()), tokens + lengths.numel()
-        return kept / max(tokens, 1), capped, tokens
+        return keep_mass_stats(self.root, self.shards, self.spec, self._h())
 
     def length(self, index: int) -> int:
         """Token count of sample `index` (unpadded)."""

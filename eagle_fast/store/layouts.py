@@ -101,6 +101,7 @@ def validate_layout_kind(layout: str, kind: str) -> None:
 
 class Layout:
     name = ""
+    ragged = False  # a different draft top-k width per token (native --keep-mass only)
 
     def __init__(self, spec: LayoutSpec):
         self.spec = spec
