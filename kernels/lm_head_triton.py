@@ -205,14 +205,15 @@ def lm_head_fwd_kernel(
         logits = softcap * tanh(logits / softcap)
     rows64 = rows.to(tl.int64)
     out_mask = row_mask[:, None] & col_mask[None, :]
+    cols = ids if HAS_ORDER else pos  # pos: contiguous, vector stores (ids is clamped)
     if HAS_LOGITS:
         out = logits
         if INTERPRET:
             out = round_rne(out, Logits_ptr.dtype.element_ty)
-        l_ptrs = Logits_ptr + rows64[:, None] * stride_lm + ids[None, :]
+        l_ptrs = Logits_ptr + rows64[:, None] * stride_lm + cols[None, :]
         tl.store(l_ptrs, out.to(Logits_ptr.dtype.element_ty), mask=out_mask)
     if HAS_LOGPROBS:
-        tl.store(Stage_ptr + rows64[:, None] * stride_sm + ids[None, :], logits, mask=out_mask)
+        tl.store(Stage_ptr + rows64[:, None] * stride_sm + cols[None, :], logits, mask=out_mask)
 
     # ---- per (row, tile) max, argmax (lowest id among maxima, NaN as +inf), sum exp for lse:
     # all a tile past the draft ones does for "draft" / "argmax". For a sum, the ragged last
