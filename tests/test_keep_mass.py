@@ -31,7 +31,12 @@ from eagle_fast.store.fidelity import kl_check
 from eagle_fast.store.layouts import length_dtype
 from eagle_fast.store.manifest import read_manifest
 from eagle_fast.store.sizes import field_sizes, tensor_bytes
-from eagle_fast.supervision import TAIL_MODES, dense_target_p, dense_target_p_ragged, keep_mass_lengths
+from eagle_fast.supervision import (
+    TAIL_MODES,
+    dense_target_p,
+    dense_target_p_ragged,
+    keep_mass_lengths,
+)
 from eagle_fast.vocab import DraftVocab, save_draft_vocab
 
 K = 8
@@ -61,7 +66,7 @@ def pair(tmp_path_factory, tiny_llama):
     tmp = tmp_path_factory.mktemp("keep_mass")
     data = mixed_jsonl(tmp / "d.jsonl", n_chat=5)
     vocab = str(save_draft_vocab(tmp / "v.pt", DraftVocab(DRAFT_IDS, 1031)))
-    common = dict(supervision="draft-topk", k=K, draft_vocab=vocab, out_dtype="bf16")
+    common = {"supervision": "draft-topk", "k": K, "draft_vocab": vocab, "out_dtype": "bf16"}
     extract(cfg_for(tiny_llama, data, tmp / "fixed", **common))
     fixed = Eagle3Dataset(tmp / "fixed")
     mass = torch.cat([fixed[i]["draft_topk_logprobs"].double().exp().sum(1) for i in range(len(fixed))])
@@ -115,7 +120,7 @@ def test_cap_count_in_inspect_and_the_summary(pair, tiny_llama):
 
 
 def test_ragged_fields_on_disk(pair):
-    fixed, ragged, p, tmp = pair
+    *_, p, tmp = pair
     h = safe_open(str(tmp / "ragged" / "shard-000000.safetensors"), "pt")
     assert h.get_slice("draft_topk_lengths").get_dtype() == "U8"
     assert h.get_slice("draft_topk_ids").get_dtype() == "U8"  # Vd = 24
@@ -277,8 +282,9 @@ def test_verify_holds_fixed_k_to_the_bound_and_fails_a_wrong_tail(pair, dense):
 
 
 def test_nodes_merge_to_the_single_run_and_another_p_is_not_mixed_in(pair, tiny_llama):
-    _, ragged, p, tmp = pair
-    common = dict(supervision="draft-topk", k=K, draft_vocab=str(tmp / "v.pt"), out_dtype="bf16", keep_mass=p)
+    *_, p, tmp = pair
+    common = {"supervision": "draft-topk", "k": K, "draft_vocab": str(tmp / "v.pt"), "out_dtype": "bf16",
+              "keep_mass": p}
     for i in range(2):
         extract(cfg_for(tiny_llama, tmp / "d.jsonl", tmp / "shared", shard=f"{i}/2", **common))
     merge(str(tmp / "shared"))

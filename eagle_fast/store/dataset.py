@@ -44,7 +44,12 @@ from eagle_fast.store.fp8 import dequantize_sample
 from eagle_fast.store.manifest import check_file_cheap, check_file_full, iter_files, read_manifest
 from eagle_fast.store.nemo import trainer_frame
 from eagle_fast.store.safetensors import open_safetensors as _safe_open
-from eagle_fast.supervision import TAIL_MODES, dense_target_p, dense_target_p_ragged, keep_mass_lengths
+from eagle_fast.supervision import (
+    TAIL_MODES,
+    dense_target_p,
+    dense_target_p_ragged,
+    keep_mass_lengths,
+)
 
 
 def keep_mass_stats(root: Path, shards: list[dict], spec, handles: dict | None = None) -> tuple[float, int, int]:
