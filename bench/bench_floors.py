@@ -147,7 +147,7 @@ def run(args) -> dict:
         print(f"N={c['N']} H={c['H']}: " + ", ".join(
             f"{n} {H.fmt_s(s)} ({c['vs_floor'][n]:.2f}x)" for n, s in c["median_s"].items())
             + f"; floor {c['floor']}; screen {c['screen']}", flush=True)
-    return {"env": H.environment("cpu"), "isa": hardware_isa(), "cases": cases,
+    return {"environment": H.environment("cpu"), "isa": hardware_isa(), "cases": cases,
             "trained_tiny": trained_tiny_counts()}
 
 

@@ -16,7 +16,7 @@ What it does
                                unrounded; twice the output bytes)
       capture / capture-padded the engine alone (unpadded rows / full rows), for the head share
       gemm-floor               the bare GEMM of the head's shape on the non-pad tokens (`_floor.py`:
-                               this device's fastest exact GEMM, fp32 out, operands prepared)
+                               the cheapest GEMM PyTorch offers here, operands prepared)
     and reports tokens/s (non-pad tokens / call time), the head's share of each call
     (1 - capture time / call time), the head's time (call minus capture) as a ratio to the
     floor, the fast path's time by phase (one more call under torch.profiler) and peak
