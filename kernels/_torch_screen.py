@@ -86,7 +86,7 @@ def screen_bound(z: torch.Tensor, gap: torch.Tensor) -> torch.Tensor:
     """Upper bound (fp32) on today's exact fp32 logit s, from the bf16 screen value z.
 
     z = bf16(t), t being the screen GEMM's own fp32 sum: |z - t| < 2^-7 |t| for any faithful
-    rounding, so t <= z + 2^-7 |z| / (1 - 2^-7); and |s - t| <= gap (`fp32_gap`: both are fp32
+    rounding (below bf16's normal range, |z - t| <= 2^-133, inside gap's eta), so t <= z + 2^-7 |z| / (1 - 2^-7); and |s - t| <= gap (`fp32_gap`: both are fp32
     sums of the same products). Hence s <= z + c |z| + gap with c = 2^-7 * 1.02 (the 2 % covers
     1 / (1 - 2^-7) and the rounding of this fp32 expression). The bound rises with z, so a
     row's max z bounds the whole row. NaN or inf anywhere gives NaN or inf, which the caller
@@ -111,7 +111,7 @@ def screen_rest(weight, y, order, start: int, chunk: int, row_block: int, run_ma
     if not (bool(torch.isfinite(y_norm).all()) and bool(torch.isfinite(run_max).all())):
         return False
     low = run_max.clone()  # certified lower bound on each row's exact maximum
-    found = []  # per tile: (rows, order positions, fp32 values, their fp32_gap)
+    found = []  # per tile: (rows, order positions, float64 values d, their distance e)
     rows_per_tile = min(2 * row_block, N)  # bf16: the exact walk's tile bytes, half the calls
     z_buf = torch.empty(rows_per_tile * chunk, dtype=torch.bfloat16)
     w_buf = torch.empty(chunk * H, dtype=torch.bfloat16)
