@@ -35,6 +35,7 @@ import importlib
 import importlib.util
 import math
 import numbers
+import threading
 import weakref
 from collections.abc import Iterable
 
@@ -97,8 +98,9 @@ def _check_real(name: str, value, *, positive: bool = False, nonnegative: bool =
 # draft_ids tensors already checked: the range and order checks read values back to the host, a
 # device synchronisation on CUDA, so a caller who passes the same tensor on every call (one
 # draft vocabulary per run) pays it once. Keyed by the tensor object (held weakly) and its
-# version counter, which every in-place change bumps.
+# version counter, which every in-place change bumps. Heads run in threads (group-parallel).
 _CHECKED_DRAFT_IDS: dict[int, tuple] = {}
+_CHECKED_LOCK = threading.Lock()
 
 
 def _check_draft_ids(draft_ids, vocab: int, device: torch.device, which: str = "draft") -> torch.Tensor:
@@ -121,7 +123,8 @@ def _check_draft_ids(draft_ids, vocab: int, device: torch.device, which: str = "
         raise ValueError(f"draft_ids must be a non-empty 1-D tensor, got shape {_shape(draft_ids)}")
     if draft_ids.device != device:
         raise ValueError(f"draft_ids is on {draft_ids.device} but hidden is on {device}")
-    seen = _CHECKED_DRAFT_IDS.get(id(draft_ids))
+    with _CHECKED_LOCK:
+        seen = _CHECKED_DRAFT_IDS.get(id(draft_ids))
     if seen and seen[0]() is draft_ids and seen[1] == (draft_ids._version, vocab):
         return draft_ids if seen[2] is None else seen[2]
     ids = draft_ids.to(torch.int64).contiguous()
@@ -132,10 +135,11 @@ def _check_draft_ids(draft_ids, vocab: int, device: torch.device, which: str = "
             f"(shape {_shape(ids)})"
         )
     _check_strictly_increasing("draft_ids", ids)
-    if len(_CHECKED_DRAFT_IDS) >= 8:
-        _CHECKED_DRAFT_IDS.pop(next(iter(_CHECKED_DRAFT_IDS)))
     copy = None if ids is draft_ids else ids  # never a strong reference to the key itself
-    _CHECKED_DRAFT_IDS[id(draft_ids)] = (weakref.ref(draft_ids), (draft_ids._version, vocab), copy)
+    with _CHECKED_LOCK:
+        if len(_CHECKED_DRAFT_IDS) >= 8:
+            _CHECKED_DRAFT_IDS.pop(next(iter(_CHECKED_DRAFT_IDS)))
+        _CHECKED_DRAFT_IDS[id(draft_ids)] = (weakref.ref(draft_ids), (draft_ids._version, vocab), copy)
     return ids
 
 
