@@ -5,7 +5,9 @@ What it does
     runner-cpu.json, pipeline-cpu.json, cpu_ops-cpu.json, serve-cpu.json, ray-cpu.json,
     host_path-cpu.json, storage-cpu.json, accept-cpu.json; whichever exist) and writes
     (bench_accept draws its own accept-cpu.png):
-      - bench/RESULTS.md: bench/SUMMARY.md verbatim (hand-curated rows across machines), then
+      - bench/RESULTS.md: bench/SUMMARY.md verbatim (hand-curated rows across machines), the
+        static sm_90 section (results/lm_head_static-sm90.md: bench_lm_head_static.py's table
+        with the reading of it), then
         per file, where/when it was measured, the targets as PASS/FAIL, then its tables;
       - bench/results/lm_head-<device>.png: time and peak extra memory vs vocabulary size, one
         line per provider, one column per output mode (matplotlib, Agg backend).
@@ -63,6 +65,9 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
     if "lm_head-cuda" not in files:
         out += ["## Head op, GPU", "", ("Not measured yet: no CUDA machine has run `bench/gpu_check.sh` "
                 "(it writes `bench/results/lm_head-cuda.json`; then run `python bench/report.py`)."), ""]
+    static = Path(results) / "lm_head_static-sm90.md"  # bench_lm_head_static.py's table and its reading
+    if static.exists():
+        out += [static.read_text().rstrip(), ""]
     for p in head_files:
         d = json.loads(p.read_text())
         plot_lm_head(d, results / f"{p.stem}.png")
