@@ -9,7 +9,7 @@ What it does
       gemm-fp32      fp32 `torch.mm` on weights upcast ahead of time (the cheapest on AVX2)
       head           `lm_head(("draft", "argmax"), impl="torch")`: screened where it can be
                      (`kernels/_torch_screen.py`)
-      head-exact     the same call with EAGLE_FAST_CPU_SCREEN=0: the exact walk alone
+      head-exact     the same call with the screen off (`switched(False)`): the exact walk alone
     The floor is the fastest GEMM measured; each ratio names it. It also counts what the
     screen recomputed (pairs per row, exact tiles) for these random targets and for the
     trained tiny target (`eagle_fast.tiny`, built in a temp dir in seconds), and checks that
@@ -23,7 +23,6 @@ Limits
 from __future__ import annotations
 
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -38,7 +37,7 @@ from eagle_fast.kernels._cpu import (
     gemm_bf16_f32,
     hardware_isa,
 )
-from eagle_fast.kernels._torch_screen import COUNTS
+from eagle_fast.kernels._torch_screen import counting, switched
 
 from eagle_fast import tiny
 
@@ -52,16 +51,15 @@ GOALS = {"AMX": 1.5, "AVX512-BF16": 1.3}
 
 def _head(hidden, weight, norm_weight, draft_ids, screen: str):
     def call():
-        os.environ["EAGLE_FAST_CPU_SCREEN"] = screen  # this script is the process's owner
-        return lm_head(hidden, weight, norm_weight, outputs=("draft", "argmax"), draft_ids=draft_ids,
-                       impl="torch")
+        with switched(screen == "1"):
+            return lm_head(hidden, weight, norm_weight, outputs=("draft", "argmax"),
+                           draft_ids=draft_ids, impl="torch")
     return call
 
 
 def _screened_counts(call, n_rows: int, n_other: int) -> dict:
-    COUNTS.clear()
-    out = call()
-    c = dict(COUNTS)
+    with counting() as c:
+        out = call()
     return {"pairs_recomputed": c.get("pairs_recomputed", 0),
             "pairs_per_row": c.get("pairs_recomputed", 0) / n_rows,
             "share_of_screened": c.get("pairs_recomputed", 0) / (n_rows * n_other),

@@ -21,22 +21,56 @@ rounds to bf16; its fp32-output mode is a process-wide flag a library must not s
 Limits: bf16 weights on CPU with MKL's bf16 GEMM in hardware, logit_scale 1, no softcap,
 N >= MIN_ROWS rows, H <= 8192 (the norm bound's margin), finite y and draft max; otherwise
 `screen_rest` returns False and the exact walk goes on. Many near-equal maxima (copied weight
-rows) cost an exact tile each. `COUNTS` totals the work since import (tiles, rows looked at,
-pairs recomputed, exact tiles), approximately where calls run on several threads at once.
+rows) cost an exact tile each. `counting()` totals the work of the calls made inside it, in
+the caller's thread (tiles, rows looked at, pairs recomputed, exact tiles).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 
 from ._common import phase
 from ._cpu import bf16_gemm_is_native, gemm_bf16_f32
 
-COUNTS: Counter = Counter()
+# Read once, at import: EAGLE_FAST_CPU_SCREEN=0 turns the screen off for the process.
+# `switched(on)` overrides it for the calls inside a block (tests, the floor benchmark).
+ENABLED = os.environ.get("EAGLE_FAST_CPU_SCREEN", "1") != "0"
+_ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("screen_enabled", default=None)
+_COUNTS: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("screen_counts", default=None)
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """The screen on or off for the calls made inside the block, in this thread only."""
+    token = _ENABLED.set(on)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[Counter]:
+    """A Counter of the screen's work in the calls made inside the block, in this thread only."""
+    counts: Counter = Counter()
+    token = _COUNTS.set(counts)
+    try:
+        yield counts
+    finally:
+        _COUNTS.reset(token)
+
+
+def _count(what: str, n: int = 1) -> None:
+    counts = _COUNTS.get()
+    if counts is not None:
+        counts[what] += n
 
 MAX_HIDDEN = 8192
 # Below this many rows the screen's per-chunk costs (column norms, small calls) outweigh the
@@ -50,10 +84,12 @@ _TINY = 2.0**-118  # flushed subnormals (FTZ/DAZ), 4x over 2^-126 per operation
 
 
 def screen_enabled(y: torch.Tensor, logit_scale: float, softcap) -> bool:
-    """Whether `screen_rest` may serve this call (EAGLE_FAST_CPU_SCREEN=0 turns it off)."""
-    return (y.device.type == "cpu" and y.dtype == torch.bfloat16 and logit_scale == 1.0
+    """Whether `screen_rest` may serve this call (EAGLE_FAST_CPU_SCREEN=0, `switched(False)`: no)."""
+    on = _ENABLED.get()
+    return ((ENABLED if on is None else on)
+            and y.device.type == "cpu" and y.dtype == torch.bfloat16 and logit_scale == 1.0
             and softcap is None and y.shape[0] >= MIN_ROWS and y.shape[1] <= MAX_HIDDEN
-            and bf16_gemm_is_native() and os.environ.get("EAGLE_FAST_CPU_SCREEN", "1") != "0")
+            and bf16_gemm_is_native())
 
 
 def norm_upper(x: torch.Tensor) -> torch.Tensor:
@@ -133,7 +169,7 @@ def screen_rest(weight, y, order, start: int, chunk: int, row_block: int, run_ma
             with phase("gemm"):
                 torch.mm(y[r0:r1], w_chunk.t(), out=z)
             with phase("merge"):
-                COUNTS["tiles"] += 1
+                _count("tiles")
                 if finite:
                     row_ub = screen_bound(_row_max_upper(z), fp32_gap(y_norm[r0:r1], w_max, H))
                     live = (~(row_ub < low[r0:r1])).nonzero(as_tuple=True)[0]
@@ -145,7 +181,7 @@ def screen_rest(weight, y, order, start: int, chunk: int, row_block: int, run_ma
                 gap = fp32_gap(y_norm.index_select(0, rows)[:, None], w_norm[None, :], H)
                 ub = screen_bound(z.index_select(0, live).float(), gap)
                 li, cols = (~(ub < low.index_select(0, rows)[:, None])).nonzero(as_tuple=True)
-                COUNTS["rows_looked_at"] += live.numel()
+                _count("rows_looked_at", live.numel())
                 if cols.numel() == 0:
                     continue
                 rows = rows[li]
@@ -154,7 +190,7 @@ def screen_rest(weight, y, order, start: int, chunk: int, row_block: int, run_ma
                 lo = (lo - lo.abs() * 2.0**-22).float()  # rounded down to fp32
                 low.scatter_reduce_(0, rows, torch.where(torch.isfinite(lo), lo, -math.inf), "amax")
                 found.append((rows, cols + p0, value, gap))
-                COUNTS["pairs_recomputed"] += rows.numel()
+                _count("pairs_recomputed", rows.numel())
     with phase("merge"):
         _resolve(weight, y, order, start, chunk, row_block, run_max, run_arg, low, found)
     return True
@@ -226,7 +262,7 @@ def _resolve(weight, y, order, start, chunk, row_block, run_max, run_arg, low, f
     first = torch.full((N,), torch.iinfo(torch.int64).max).scatter_reduce_(
         0, all_rows[top], all_ids[top], "amin")
     run_arg[urows] = first[urows]
-    COUNTS["exact_pairs"] += rows.numel()
+    _count("exact_pairs", rows.numel())
 
 
 def _exact_values(weight, y, order, start, chunk, row_block, rows, pos) -> torch.Tensor:
@@ -248,5 +284,5 @@ def _exact_values(weight, y, order, start, chunk, row_block, rows, pos) -> torch
         tile = torch.empty(r1 - r0, p1 - p0, dtype=torch.float32)
         gemm_bf16_f32(y[r0:r1], w_chunk, tile)
         out[sel] = tile[rows[sel] - r0, pos[sel] - p0]
-        COUNTS["exact_tiles"] += 1
+        _count("exact_tiles")
     return out

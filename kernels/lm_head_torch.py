@@ -30,8 +30,8 @@ Design
     AVX512-BF16/AMX, the columns past the draft range only decide the argmax. PyTorch's
     bf16-output GEMM (oneDNN) screens them; a proved error bound keeps only the columns that
     may reach the row's max, which are recomputed exactly (near ties: the exact walk's own
-    tiles), so the result is byte-identical to the exact walk. EAGLE_FAST_CPU_SCREEN=0 turns
-    it off.
+    tiles), so the result is byte-identical to the exact walk. EAGLE_FAST_CPU_SCREEN=0 (read at
+    import) turns it off; `_torch_screen.switched` does so for one block.
     Bit-identity: a given call (inputs, tiles, thread count) is deterministic; MKL's fp32
     GEMM may round differently for another tile shape or thread count, by a few fp32 ulps of
     the logits, so different plans agree within the oracle's tolerance.

@@ -1,6 +1,6 @@
 """The screened argmax (`kernels/_torch_screen.py`) returns exactly what the exact walk returns.
 
-What: ("draft", "argmax") on bf16 weights with the screen on and off (EAGLE_FAST_CPU_SCREEN)
+What: ("draft", "argmax") on bf16 weights with the screen on and off (`switched`)
 must agree byte for byte (argmax, argmax_in_draft, draft_logprobs) on random targets, on
 exact ties between draft and non-draft columns (copied weight rows, on both sides of the draft
 id), on integer data, on near-ties, and on the trained tiny target; the bounds the screen rests
@@ -20,10 +20,11 @@ import pytest
 import torch
 from eagle_fast.kernels import _cpu, lm_head, lm_head_torch
 from eagle_fast.kernels._torch_screen import (
-    COUNTS,
+    counting,
     fp32_gap,
     norm_upper,
     screen_bound,
+    switched,
     verify_pairs,
 )
 
@@ -44,18 +45,16 @@ def _tiles(chunk: int | None, rows: int | None):
         yield
 
 
-def _both(monkeypatch, hidden, weight, norm_weight, draft_ids, chunk=None, rows=None):
-    """(screened output, exact output, COUNTS of the screened call)."""
+def _both(hidden, weight, norm_weight, draft_ids, chunk=None, rows=None):
+    """(screened output, exact output, the screened call's `counting()`)."""
     outs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("EAGLE_FAST_CPU_SCREEN", flag)
-        COUNTS.clear()
-        with _tiles(chunk, rows):
-            outs[flag] = lm_head(hidden, weight, norm_weight, outputs=("draft", "argmax"),
-                                 draft_ids=draft_ids, impl="torch")
-        if flag == "1":
-            counts = dict(COUNTS)
-    return outs["1"], outs["0"], counts
+    for on in (True, False):
+        with switched(on), counting() as counts, _tiles(chunk, rows):
+            outs[on] = lm_head(hidden, weight, norm_weight, outputs=("draft", "argmax"),
+                               draft_ids=draft_ids, impl="torch")
+        if on:
+            screened = dict(counts)
+    return outs[True], outs[False], screened
 
 
 def _assert_same(a, b):
@@ -80,16 +79,16 @@ def _inputs(n, h, v, vd, seed, scale=1.0):
     (200, 256, 20000, 4000, None, None),  # the walk's own tiling
     (160, 1000, 3001, 500, 512, 48),
 ])
-def test_random_targets_same_bytes(monkeypatch, n, h, v, vd, chunk, rows):
+def test_random_targets_same_bytes(n, h, v, vd, chunk, rows):
     hidden, weight, norm_weight, draft_ids = _inputs(n, h, v, vd, seed=n + v)
-    a, b, counts = _both(monkeypatch, hidden, weight, norm_weight, draft_ids, chunk, rows)
+    a, b, counts = _both(hidden, weight, norm_weight, draft_ids, chunk, rows)
     _assert_same(a, b)
     assert counts["tiles"] > 0, "the screen did not run"
     assert not bool(b.argmax_in_draft.all()), "every argmax in the draft: nothing was screened"
 
 
 @pytest.mark.parametrize("where", ["below", "above"])
-def test_exact_ties_with_the_draft_keep_the_lowest_id(monkeypatch, where):
+def test_exact_ties_with_the_draft_keep_the_lowest_id(where):
     """Non-draft copies of draft rows tie with them exactly in every summation order; rows of y
     aligned with a copied row make that tie the row's maximum."""
     n, h, v = 256, 128, 4096
@@ -103,7 +102,7 @@ def test_exact_ties_with_the_draft_keep_the_lowest_id(monkeypatch, where):
     pick = torch.randint(0, 200, (n,), generator=g)
     hidden[: n // 2] = (8 * weight[sources[pick[: n // 2]]].float()).bfloat16()
     norm_weight = torch.ones(h, dtype=torch.bfloat16)
-    a, b, counts = _both(monkeypatch, hidden, weight, norm_weight, draft_ids, 512, 64)
+    a, b, counts = _both(hidden, weight, norm_weight, draft_ids, 512, 64)
     _assert_same(a, b)
     tied = a.argmax[: n // 2]
     if where == "below":  # the copy, at the lower id, wins the tie
@@ -111,7 +110,7 @@ def test_exact_ties_with_the_draft_keep_the_lowest_id(monkeypatch, where):
     assert counts.get("exact_pairs", 0) > 0, "no tie reached the exact tiles"
 
 
-def test_integer_data_ties_and_near_ties(monkeypatch):
+def test_integer_data_ties_and_near_ties():
     """Small integers: logits exact in any order, many exact ties across the draft boundary."""
     n, h, v = 128, 32, 2048
     g = torch.Generator().manual_seed(11)
@@ -119,22 +118,21 @@ def test_integer_data_ties_and_near_ties(monkeypatch):
     weight = torch.randint(-2, 3, (v, h), generator=g).bfloat16()
     draft_ids = torch.randperm(v, generator=g)[:600].sort().values
     outs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("EAGLE_FAST_CPU_SCREEN", flag)
-        with _tiles(256, 32):
-            outs[flag] = lm_head(hidden, weight, None, norm="none", outputs=("draft", "argmax"),
-                                 draft_ids=draft_ids, impl="torch")
-    _assert_same(outs["1"], outs["0"])
+    for on in (True, False):
+        with switched(on), _tiles(256, 32):
+            outs[on] = lm_head(hidden, weight, None, norm="none", outputs=("draft", "argmax"),
+                               draft_ids=draft_ids, impl="torch")
+    _assert_same(outs[True], outs[False])
     exact = hidden.double() @ weight.double().T
     best = exact.max(1).values
     first = (exact == best[:, None]).int().argmax(1)
-    assert torch.equal(outs["1"].argmax, first)
+    assert torch.equal(outs[True].argmax, first)
 
 
-def test_nonfinite_input_leaves_the_screen_out(monkeypatch):
+def test_nonfinite_input_leaves_the_screen_out():
     hidden, weight, norm_weight, draft_ids = _inputs(128, 64, 3000, 700, seed=5)
     hidden[3, 5] = float("nan")
-    a, b, counts = _both(monkeypatch, hidden, weight, norm_weight, draft_ids, 256, 32)
+    a, b, counts = _both(hidden, weight, norm_weight, draft_ids, 256, 32)
     assert counts.get("tiles", 0) == 0
     assert torch.equal(a.argmax, b.argmax)
 
@@ -171,7 +169,7 @@ def test_bounds_hold_against_both_gemms(h, data):
         assert bool((s > screen_bound(z.float(), torch.zeros(()))).any())
 
 
-def test_trained_tiny_target_same_bytes(monkeypatch, tmp_path):
+def test_trained_tiny_target_same_bytes(tmp_path):
     """The trained tiny target's own final hidden states (peaked distributions)."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM  # a heavy engine, loaded only here
@@ -190,6 +188,6 @@ def test_trained_tiny_target_same_bytes(monkeypatch, tmp_path):
     hidden = captured[0].reshape(-1, 64)
     weight, norm_weight = model.lm_head.weight.detach(), model.model.norm.weight.detach()
     draft_ids = torch.arange(0, 601, 4)
-    a, b, counts = _both(monkeypatch, hidden, weight, norm_weight, draft_ids, 256, 64)
+    a, b, counts = _both(hidden, weight, norm_weight, draft_ids, 256, 64)
     _assert_same(a, b)
     assert counts["tiles"] > 0
