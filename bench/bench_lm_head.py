@@ -10,6 +10,9 @@ What it does
                        full bf16 logits, reductions on logits.float() as users write them
       3 lm_head-torch  lm_head(impl="torch"), the chunked PyTorch / CPU path
       4 lm_head-triton lm_head(impl="triton"), CUDA only
+     4b lm_head-triton-before  the same public call routed to the kernel as it was before
+                       issue 29 (`bench/triton_before/`, frozen), CUDA only: old and new side
+                       by side, each warmed up like every provider
       5 gemm-floor     the bare GEMM y @ W.T of the shape on the already-normalised y, fp32
                        out, in this device's fastest exact mode (`_floor.py`): the floor any
                        head must pay

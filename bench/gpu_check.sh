@@ -20,7 +20,8 @@
 #      tests/test_draft_topk_triton.py; skipped, with a line saying so, without pytest (<= 140 s)
 #   3. bench/bench_lm_head.py --device cuda: target cases first (lse+argmax, topk64, draft32k =
 #      draft+argmax, each provider warmed up, then timed side by side against the bare bf16
-#      GEMM and the fp32 baseline), stops starting new cases after 100 s, and rewrites its JSON
+#      GEMM, the fp32 baseline and the kernel as it was before issue 29, frozen in
+#      bench/triton_before/), stops starting new cases after 100 s, and rewrites its JSON
 #      after every case                                                           (<= 150 s)
 #   4. bench/report.py: RESULTS.md (+ plot when matplotlib is there)               (seconds)
 # Writes into OUT_DIR: lm_head-cuda.json, gpu_tests.log, bench_lm_head.log, environment.txt,

@@ -39,11 +39,12 @@ PROVIDERS = {
     "torch-native": "2 plain torch, weight dtype, full logits",
     "lm_head-torch": "3 lm_head(impl='torch')",
     "lm_head-triton": "4 lm_head(impl='triton')",
+    "lm_head-triton-before": "4b the same with the kernel before issue 29 (bench/triton_before)",
     "gemm-floor": "5 bare GEMM y @ W.T, the cheapest PyTorch offers (the floor)",
     "gemm-fp32out": "6 bare GEMM y @ W.T, fp32 out (beside a bf16-output floor)",
 }
 FLOOR_ONLY = ("gemm-fp32out",)  # run in the floor cases only
-CUDA_ONLY = ("lm_head-triton",)
+CUDA_ONLY = ("lm_head-triton", "lm_head-triton-before")
 FLOOR_PROVIDERS = ("gemm-floor", "lm_head-torch")
 
 EPS = 1e-6
@@ -194,8 +195,8 @@ def make_providers(inp: Inputs, mode: str, names) -> dict:
             return {"logits": logits}
         return _from_full_logits(logits.float(), mode, inp)
 
-    def lm_head_impl(impl):
-        from eagle_fast.kernels import lm_head
+    def lm_head_impl(impl, kernel=None):
+        from eagle_fast import kernels
 
         kw = dict(spec)
         if {"draft", "draft_topk"} & set(kw["outputs"]):
@@ -203,20 +204,33 @@ def make_providers(inp: Inputs, mode: str, names) -> dict:
         norm = inp.shape.norm
 
         def call():
-            return lm_head(inp.hidden, inp.weight, inp.norm_weight, eps=EPS, norm=norm, impl=impl, **kw)
-        return call
+            return kernels.lm_head(inp.hidden, inp.weight, inp.norm_weight, eps=EPS, norm=norm, impl=impl, **kw)
+
+        def call_with():  # the same public call, routed to `kernel` (the frozen old one)
+            own, kernels._triton_impl = kernels._triton_impl, lambda: kernel
+            try:
+                return call()
+            finally:
+                kernels._triton_impl = own
+        return call if kernel is None else call_with
+
+    def triton_before():
+        from triton_before.lm_head_triton import lm_head_triton as before  # bench/ on sys.path
+
+        return lm_head_impl("triton", before)
 
     table = {
         "seed-fp32": seed_fp32,
         "torch-native": torch_native,
         "lm_head-torch": lambda: lm_head_impl("torch"),
         "lm_head-triton": lambda: lm_head_impl("triton"),
+        "lm_head-triton-before": triton_before,
         "gemm-floor": inp.floor,
         "gemm-fp32out": inp.fp32out,
     }
     out = {}
     for n in names:
-        if n in ("lm_head-torch", "lm_head-triton"):
+        if n in ("lm_head-torch", "lm_head-triton", "lm_head-triton-before"):
             out[n] = table[n]()
         else:
             out[n] = table[n]
@@ -288,8 +302,8 @@ def names_for(shape: HeadShape, device: str, smoke: bool = False) -> list[str]:
     """Providers of one case: the floor cases run the floor and the head only."""
     names = providers_for(device, smoke)
     if is_floor_case(shape):
-        head = "lm_head-triton" if device == "cuda" else "lm_head-torch"
-        return [n for n in names if n in ("gemm-floor", "gemm-fp32out", head)]
+        heads = ("lm_head-triton", "lm_head-triton-before") if device == "cuda" else ("lm_head-torch",)
+        return [n for n in names if n in ("gemm-floor", "gemm-fp32out", *heads)]
     return [n for n in names if n not in FLOOR_ONLY]
 
 

@@ -113,6 +113,11 @@ def _gpu_targets(v: H.Verdicts, records, shape: HeadShape, modes, tag: str = "")
                     f"({tri['tflops']:.1f} vs {gemm['tflops']:.1f} TFLOP/s)")
         else:
             v.check(f"GPU time ({where})", None, "bare GEMM not measured")
+        old = _find(records, shape.name, shape.n_tokens, mode, "lm_head-triton-before")
+        if old and old["median_s"] and not old["status"].startswith("error"):
+            r = tri["median_s"] / old["median_s"]
+            v.check(f"GPU ({where}): issue 29's kernel no slower than the one before it", r <= 1.0,
+                    f"{H.fmt_s(tri['median_s'])} vs {H.fmt_s(old['median_s'])} = {r:.2f}x")
         if seed and seed["median_s"]:
             s = seed["median_s"] / tri["median_s"]
             v.check(f"GPU speed-up ({where}): triton >= 10x provider 1", s >= 10,

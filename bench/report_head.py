@@ -11,7 +11,8 @@ from pathlib import Path
 
 from report_text import PHASES, env_line, fmt_bytes, fmt_s, phases_source, table, targets_md
 
-PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "gemm-floor", "gemm-fp32out")
+PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "lm_head-triton-before",
+                  "gemm-floor", "gemm-fp32out")
 MODE_ORDER = ("all", "lse+argmax", "topk64", "draft32k", "draft-topk64", "logits-bf16")
 
 
@@ -113,7 +114,7 @@ def floor_table(cases, get) -> list[str]:
         kinds.add(floor.get("floor_kind", "-"))
         beside = get(key, "gemm-fp32out")
         beside_s = fmt_s(beside["median_s"]) if beside and beside["median_s"] else "-"
-        for p in ("lm_head-torch", "lm_head-triton"):
+        for p in ("lm_head-torch", "lm_head-triton", "lm_head-triton-before"):
             r = get(key, p)
             if r is None or not r["median_s"]:
                 continue

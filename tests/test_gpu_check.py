@@ -46,6 +46,6 @@ def test_dry_run_without_safetensors_or_pytest(tmp_path):
     assert "gpu tests: SKIPPED: pytest is not installed" in log, log
     records = json.loads((out / "lm_head-smoke.json").read_text())["records"]
     measured = {r["provider"] for r in records if r["status"] == "ok" and r["median_s"]}
-    assert {"lm_head-triton", "gemm-floor", "seed-fp32"} <= measured, records
+    assert {"lm_head-triton", "lm_head-triton-before", "gemm-floor", "seed-fp32"} <= measured, records
     page = (out / "RESULTS.md").read_text()
     assert "## Head op" in page and "needs `safetensors`" in page, page
