@@ -22,6 +22,7 @@ group size; a given batch always gets the same groups.
 from __future__ import annotations
 
 import collections
+import contextvars
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -324,14 +325,19 @@ def supervise(
     # (`one_thread_here`: per-thread counts, not `torch.set_num_threads`, which is process-wide),
     # so the caller's and every other thread's count stay theirs. The window holds `workers`
     # groups' results at most.
+    # Each group runs in a copy of the caller's context, so what the caller scoped for its own
+    # calls (`kernels._torch_screen.switched` / `counting`) holds in the pool's threads too.
+    def submit(pool, g):
+        return pool.submit(contextvars.copy_context().run, compute, group_input(g))
+
     with ThreadPoolExecutor(workers, thread_name_prefix="eagle-fast-head", initializer=one_thread_here) as pool:
-        pending = collections.deque(pool.submit(compute, group_input(g)) for g in range(workers))
+        pending = collections.deque(submit(pool, g) for g in range(workers))
         for g, pieces in enumerate(groups):
             values = pending.popleft().result()
             into.put(pieces, values)
             del values
             if g + workers < len(groups):
-                pending.append(pool.submit(compute, group_input(g + workers)))
+                pending.append(submit(pool, g + workers))
 
 
 def group_workers(finals: Sequence[torch.Tensor | None], n_groups: int, impl: str) -> int:

@@ -21,8 +21,9 @@ rounds to bf16; its fp32-output mode is a process-wide flag a library must not s
 Limits: bf16 weights on CPU with MKL's bf16 GEMM in hardware, logit_scale 1, no softcap,
 N >= MIN_ROWS rows, H <= 8192 (the norm bound's margin), finite y and draft max; otherwise
 `screen_rest` returns False and the exact walk goes on. Many near-equal maxima (copied weight
-rows) cost an exact tile each. `counting()` totals the work of the calls made inside it, in
-the caller's thread (tiles, rows looked at, pairs recomputed, exact tiles).
+rows) cost an exact tile each. `counting()` totals the work of the calls made inside it
+(tiles, rows looked at, pairs recomputed, exact tiles), in the caller's thread and in the
+threads that run in a copy of its context (`supervision.supervise`'s head pool does).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import contextlib
 import contextvars
 import math
 import os
+import threading
 from collections import Counter
 from collections.abc import Iterator
 
@@ -48,7 +50,8 @@ _COUNTS: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("screen
 
 @contextlib.contextmanager
 def switched(on: bool) -> Iterator[None]:
-    """The screen on or off for the calls made inside the block, in this thread only."""
+    """The screen on or off for the calls made inside the block (this thread, and threads
+    running in a copy of its context)."""
     token = _ENABLED.set(on)
     try:
         yield
@@ -58,7 +61,7 @@ def switched(on: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def counting() -> Iterator[Counter]:
-    """A Counter of the screen's work in the calls made inside the block, in this thread only."""
+    """A Counter of the screen's work in the calls made inside the block (as `switched`)."""
     counts: Counter = Counter()
     token = _COUNTS.set(counts)
     try:
@@ -67,10 +70,14 @@ def counting() -> Iterator[Counter]:
         _COUNTS.reset(token)
 
 
+_COUNT_LOCK = threading.Lock()  # the counter is shared by the context copies of a head pool
+
+
 def _count(what: str, n: int = 1) -> None:
     counts = _COUNTS.get()
     if counts is not None:
-        counts[what] += n
+        with _COUNT_LOCK:
+            counts[what] += n
 
 MAX_HIDDEN = 8192
 # Below this many rows the screen's per-chunk costs (column norms, small calls) outweigh the

@@ -182,3 +182,24 @@ def test_a_foreign_openmp_runtime_does_not_turn_the_groups_off():
     ctypes.CDLL(str(foreign[0]))
     cpu._thread_count_setters.cache_clear()
     assert cpu.per_thread_counts_available()
+
+
+def test_pool_threads_run_in_the_callers_context(hf_llama, two_threads):
+    """What the caller scoped for its calls (the CPU screen switched off, its work counted)
+    holds in the pool's threads: each group runs in a copy of the caller's context."""
+    from eagle_fast.kernels import _torch_screen
+
+    ids, mask = make_batch(lengths=(40, 33, 1, 50), seed=3)
+    seen, lock, compute = [], threading.Lock(), hf_llama.head.compute
+
+    def spy(*args, **kwargs):
+        with lock:
+            seen.append((threading.get_ident(), _torch_screen._ENABLED.get(), _torch_screen._COUNTS.get()))
+        return compute(*args, **kwargs)
+
+    with mock.patch.object(SV, "GROUP_TOKENS", 16), mock.patch.object(hf_llama.head, "compute", spy), \
+         _torch_screen.switched(False), _torch_screen.counting() as counts:
+        SV.supervise(hf_llama.head, _finals(hf_llama, ids, mask), ("draft", "argmax"), SV.RowFields(4),
+                     draft_ids=draft_vocab(), out_dtype=torch.bfloat16)
+    assert len({t for t, _, _ in seen}) == 2, "the groups did not run on the pool's threads"
+    assert all(on is False and c is counts for _, on, c in seen), seen
