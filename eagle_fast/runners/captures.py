@@ -41,7 +41,9 @@ __all__ = [
     "run_ahead",
     "scan_rows",
     "split_capture",
+    "split_supervised",
     "storage_prefix",
+    "supervision_bytes_per_token",
     "sweep_orphaned_storage",
 ]
 
@@ -208,6 +210,21 @@ def split_capture(
     ids) both results are views of `data`'s tensor: the store's write and the head's norm make
     the one copy each needs; otherwise aux is gathered (one copy).
     """
+    hs = _checked_states(data, seq, prompt_ids, (len(capture_ids), hidden_size), dtype, name)
+    scan = scan_rows(hs)
+    zero = scan.first_zero_row()
+    _refuse_bad_rows(name, capture_ids, scan.first_nonfinite(), zero, int(scan.zero_rows.sum()) if zero else 0)
+    T = len(seq)
+    first = aux_slots[0]
+    if list(aux_slots) == list(range(first, first + len(aux_slots))):
+        aux = hs[:, first:first + len(aux_slots), :].reshape(T, -1)  # a view: [T, 3H], row stride n_ids*H
+    else:
+        aux = hs[:, list(aux_slots), :].reshape(T, -1)
+    return aux, hs[:, final_slot, :]
+
+
+def _checked_states(data: dict, seq, prompt_ids, slots_h: tuple[int, int], dtype, name: str) -> torch.Tensor:
+    """`data["hidden_states"]` once the token ids, its shape `[T, *slots_h]` and dtype check out."""
     hs, token_ids = data.get("hidden_states"), data.get("token_ids")
     if hs is None or token_ids is None:
         raise RuntimeError(f"{name}: file has keys {sorted(data)}, expected hidden_states and token_ids")
@@ -217,7 +234,7 @@ def split_capture(
             f"{name}: stored token_ids (len {token_ids.numel()}) do not equal the request "
             f"(len {T}); the engine mixed up requests"
         )
-    expected = (T, len(capture_ids), hidden_size)
+    expected = (T, *slots_h)
     if tuple(hs.shape) != expected:
         raise RuntimeError(
             f"{name}: hidden_states shape {tuple(hs.shape)} != expected {expected} "
@@ -225,26 +242,90 @@ def split_capture(
         )
     if hs.dtype != dtype:
         raise RuntimeError(f"{name}: hidden_states dtype {hs.dtype} != target dtype {dtype}")
-    scan = scan_rows(hs)
-    bad = scan.first_nonfinite()
+    return hs
+
+
+def _refuse_bad_rows(name: str, capture_ids, bad: list[int] | None, zero: list[int] | None,
+                     n_zero: int) -> None:
+    """Raise for a non-finite value at `bad` [token, slot, dim] or an all-zero row at `zero`
+    [token, slot] (`n_zero` such rows); slots index `capture_ids`."""
     if bad is not None:
         raise RuntimeError(
             f"{name}: non-finite hidden state at [token, slot, dim]={bad}; "
             "check --dtype (fp16 overflows on some models)"
         )
-    zero = scan.first_zero_row()
     if zero is not None:
         t, slot = zero
         raise RuntimeError(
             f"{name}: all-zero hidden state at token {t}, capture id {capture_ids[slot]} "
-            f"({int(scan.zero_rows.sum())} such rows); the engine did not capture this layer"
+            f"({n_zero} such rows); the engine did not capture this layer"
         )
-    first = aux_slots[0]
-    if list(aux_slots) == list(range(first, first + len(aux_slots))):
-        aux = hs[:, first:first + len(aux_slots), :].reshape(T, -1)  # a view: [T, 3H], row stride n_ids*H
+
+
+def supervision_bytes_per_token(head, settings: dict) -> int:
+    """Bytes per token of the supervision fields the head in the worker stages, for connector.py's
+    `settings` (outputs, k, draft_ids, out_dtype, fields), from one 16-row call of `head`."""
+    rows = torch.zeros(16, head.hidden_size, dtype=head.dtype, device=head.device)
+    ids = None if settings["draft_ids"] is None else torch.tensor(settings["draft_ids"])
+    out = head.compute(rows, tuple(settings["outputs"]), k=settings["k"], draft_ids=ids,
+                       out_dtype=getattr(torch, settings["out_dtype"])).as_dict()
+    fields = settings["fields"]
+    return sum(v.nbytes for f, v in out.items() if fields is None or f in fields) // 16
+
+
+def split_supervised(
+    data: dict,
+    seq: list[int],
+    prompt_ids: list[int],
+    *,
+    capture_ids: list[int],
+    hidden_size: int,
+    dtype: torch.dtype,
+    kept_slots: list[int],
+    aux_slots: list[int],
+    final_slot: int,
+    fields: tuple[str, ...],
+    name: str = "capture",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Check one file the head in the worker wrote (connector.py) and split it into
+    `(aux [T, 3H], {field: [T, ...]})`: the checks and messages of `split_capture`, over the
+    stored slots `kept_slots` (one pass) and, from the worker's `scan.final`, the final slot
+    that stayed in the worker; every supervision field has T rows."""
+    hs = _checked_states(data, seq, prompt_ids, (len(kept_slots), hidden_size), dtype, name)
+    T = len(seq)
+    final_scan = data.get("scan.final")
+    if final_scan is None or final_scan.shape != (4,):
+        raise RuntimeError(f"{name}: file has keys {sorted(data)}, expected scan.final [4] from the worker's head")
+    scan = scan_rows(hs)
+    bad, zero = scan.first_nonfinite(), scan.first_zero_row()
+    f_token, f_dim, f_zero, f_zeros = final_scan.tolist()
+    if bad is not None:
+        bad = [bad[0], kept_slots[bad[1]], bad[2]]
+    if f_token >= 0 and (bad is None or (f_token, final_slot) < (bad[0], bad[1])):
+        bad = [f_token, final_slot, f_dim]
+    n_zero = int(scan.zero_rows.sum()) if zero is not None else 0
+    if zero is not None:
+        zero = [zero[0], kept_slots[zero[1]]]
+    if f_zero >= 0 and final_slot not in kept_slots:
+        n_zero += f_zeros
+        if zero is None or (f_zero, final_slot) < tuple(zero):
+            zero = [f_zero, final_slot]
+    _refuse_bad_rows(name, capture_ids, bad, zero, n_zero)
+    sup = {}
+    for field in fields:
+        value = data.get(f"sup.{field}")
+        if value is None or value.shape[:1] != (T,):
+            got = None if value is None else tuple(value.shape)
+            raise RuntimeError(f"{name}: supervision field {field!r} has shape {got}, expected {T} rows "
+                               "(the worker's head wrote a short or no result)")
+        sup[field] = value
+    where = [kept_slots.index(s) for s in aux_slots]
+    first = where[0]
+    if where == list(range(first, first + len(where))):
+        aux = hs[:, first:first + len(where), :].reshape(T, -1)
     else:
-        aux = hs[:, list(aux_slots), :].reshape(T, -1)
-    return aux, hs[:, final_slot, :]
+        aux = hs[:, where, :].reshape(T, -1)
+    return aux, sup
 
 # -- staging ------------------------------------------------------------------------------------
 def free_bytes(path: str) -> int:

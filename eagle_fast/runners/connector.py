@@ -15,10 +15,21 @@ place, so a reader never sees a truncated capture; a failed write (a full `/dev/
 `FAILED_SUFFIX` beside it with the cause instead of only a log line, since the parent still
 releases the lock after a failure.
 
+The head in the worker (opt-in, host-memory branch only): when `kv_connector_extra_config`
+carries `HEAD_CONFIG_KEY`, the writer thread applies the target's head (`TargetHead.compute`,
+loaded once per worker from the checkpoint) to the capture's final slot and the file holds
+`hidden_states [T, n_kept, H]` (only the slots the aux layers need), `token_ids`, `sup.<field>`
+(the supervision fields asked for) and `scan.final` (where the final slot, which does not leave
+the worker, has its first non-finite value and all-zero row), so only the aux states and the
+compact supervision cross processes. Each writer thread runs the head on one thread
+(`one_thread_here`), beside the engine's forward on the same cores. A request shorter than
+`supervision.MIN_TOKENS` is padded for its head call: MKL's GEMM rounds a row differently in a
+call of fewer rows, and the file path's head calls have at least that many.
+
 vLLM loads this module by name (`kv_connector_module_path`) in its worker processes, which the
 CPU platform spawns, so it must stay importable there: it lives in the installed package and
-imports only the file protocol's names from eagle_fast (`files`, a foundation module). It
-imports vLLM at module level, so nothing else in eagle_fast imports it.
+imports from eagle_fast only the file protocol (`files`), the head and the row scan. It imports
+vLLM at module level, so nothing else in eagle_fast imports it.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 from functools import partial
 
 import torch
@@ -37,8 +49,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 )
 
 from eagle_fast.files import FAILED_SUFFIX, PARTIAL_SUFFIX
+from eagle_fast.head import TargetHead
+from eagle_fast.kernels import one_thread_here
+from eagle_fast.runners._vllm_compat import HEAD_CONFIG_KEY
+from eagle_fast.runners.captures import scan_rows
+from eagle_fast.supervision import MIN_TOKENS
 
 __all__ = ["EagleFastHiddenStatesConnector"]
+
+# The head-in-worker settings ride in kv_connector_extra_config[HEAD_CONFIG_KEY], a plain dict:
+#   {"model": checkpoint dir, "dtype": "float32" | "bfloat16" | "float16", "overrides": dict | None,
+#    "trust_remote_code": bool, "outputs": [head outputs], "fields": [fields to store] | None (all),
+#    "k": int, "draft_ids": [ids] | None,
+#    "out_dtype": dtype name, "kept_slots": [capture slots to store], "final_slot": int}
 
 
 class _CopyDone:
@@ -52,7 +75,15 @@ class _CopyDone:
 
 
 class EagleFastHiddenStatesConnector(ExampleHiddenStatesConnector):
-    """`ExampleHiddenStatesConnector` with a synchronous host-memory write path."""
+    """`ExampleHiddenStatesConnector` with a synchronous host-memory write path (and, when
+    configured, the head applied in its writer threads)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._head_cfg = self._kv_transfer_config.get_from_extra_config(HEAD_CONFIG_KEY, None)
+        self._head: TargetHead | None = None
+        self._draft_ids: torch.Tensor | None = None
+        self._head_lock = threading.Lock()
 
     def _submit_async_write(self, pending: PendingSave) -> None:
         kv_cache = self._kv_cache
@@ -84,9 +115,8 @@ class EagleFastHiddenStatesConnector(ExampleHiddenStatesConnector):
             )
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
         done = _CopyDone()
-        future = self._executor.submit(
-            self._write_tensors, tensors, done, pending.filename, lock_fd
-        )
+        write = self._write_tensors if self._head_cfg is None else self._write_supervised
+        future = self._executor.submit(write, tensors, done, pending.filename, lock_fd)
         self._req_copy_events[pending.req_id] = done
         self._req_futures[pending.req_id] = future
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
@@ -114,3 +144,54 @@ class EagleFastHiddenStatesConnector(ExampleHiddenStatesConnector):
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases LOCK_EX: the reader wakes
+
+    # -- the head in the worker ------------------------------------------------------------------
+    def _load_head(self) -> TargetHead:
+        with self._head_lock:  # writer threads race for the first load
+            if self._head is None:
+                cfg = self._head_cfg
+                ids = cfg.get("draft_ids")
+                self._draft_ids = None if ids is None else torch.tensor(ids, dtype=torch.long)
+                self._head = TargetHead.from_pretrained(
+                    cfg["model"], dtype=getattr(torch, cfg["dtype"]), overrides=cfg.get("overrides"),
+                    trust_remote_code=bool(cfg.get("trust_remote_code")),
+                )
+        return self._head
+
+    def _supervision(self, final: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The configured head fields for one request's final pre-norm states `final [T, H]`."""
+        head = self._load_head()
+        one_thread_here()  # this writer thread only: the engine's forward keeps its own team
+        cfg = self._head_cfg
+        T = final.shape[0]
+        if T < MIN_TOKENS:  # pad with copies of row 0; the padded rows' results are dropped
+            final = torch.cat([final, final[:1].expand(MIN_TOKENS - T, -1)])
+        out = head.compute(final, tuple(cfg["outputs"]), k=int(cfg["k"]), draft_ids=self._draft_ids,
+                           out_dtype=getattr(torch, cfg["out_dtype"])).as_dict()
+        fields = cfg.get("fields") or list(out)
+        missing = [f for f in fields if f not in out]
+        if missing:
+            raise RuntimeError(f"the head returned no {missing} for outputs {cfg['outputs']}")
+        return {f"sup.{f}": out[f][:T].contiguous() for f in fields}
+
+    def _write_supervised(self, tensors: dict, event, filename: str, lock_fd: int | None) -> None:
+        """Writer-pool worker: the head on the final slot, then `_write_tensors` of the kept slots,
+        the token ids, the supervision and the final slot's scan. A failure leaves the
+        `FAILED_SUFFIX` marker and releases the lock, as a failed write does."""
+        try:
+            cfg = self._head_cfg
+            hs = tensors.pop("hidden_states")
+            final = hs[:, cfg["final_slot"]]
+            scan = scan_rows(final)
+            bad, zero = scan.first_nonfinite() or [-1, -1], scan.first_zero_row() or [-1]
+            tensors["scan.final"] = torch.tensor([*bad, *zero, int(scan.zero_rows.sum())], dtype=torch.long)
+            tensors.update(self._supervision(final))
+            tensors["hidden_states"] = hs[:, cfg["kept_slots"]].contiguous()
+            del hs, final
+        except BaseException as exc:
+            with contextlib.suppress(OSError), open(filename + FAILED_SUFFIX, "w") as f:
+                f.write(f"the head in the engine's worker failed: {type(exc).__name__}: {exc}")
+            if lock_fd is not None:
+                os.close(lock_fd)
+            raise
+        self._write_tensors(tensors, event, filename, lock_fd)

