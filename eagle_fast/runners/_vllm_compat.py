@@ -213,14 +213,22 @@ def llm_kwargs(
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": storage_dir,
-                                          **({HEAD_CONFIG_KEY: worker_head} if worker_head else {})},
+            "kv_connector_extra_config": {"shared_storage_path": storage_dir, **_head_config(worker_head)},
         },
         **ENGINE_PATH_KWARGS,
     }
     if max_model_len is not None:
         kwargs["max_model_len"] = int(max_model_len)
     return kwargs
+
+
+def _head_config(worker_head: dict[str, Any] | None) -> dict[str, Any]:
+    """The connector's extra settings for the head in the worker: the head's, and one writer thread
+    per core up to vLLM's default 8 (each runs a single-threaded head beside the engine's forward;
+    bench_head_in_worker measured 2 threads on 2 cores)."""
+    if not worker_head:
+        return {}
+    return {HEAD_CONFIG_KEY: worker_head, "num_writer_threads": max(1, min(8, os.cpu_count() or 1))}
 
 
 # Arguments the runner owns, each with the reason a user value would break the capture path.

@@ -28,8 +28,12 @@ call of fewer rows, and the file path's head calls have at least that many.
 
 vLLM loads this module by name (`kv_connector_module_path`) in its worker processes, which the
 CPU platform spawns, so it must stay importable there: it lives in the installed package and
-imports from eagle_fast only the file protocol (`files`), the head and the row scan. It imports
-vLLM at module level, so nothing else in eagle_fast imports it.
+imports from eagle_fast the file protocol (`files`), the head, the row scan and two constants. It
+imports vLLM at module level, so nothing else in eagle_fast imports it.
+Limits: the head's results equal the file path's bit for bit where MKL gives a row the same
+result in any GEMM of at least MIN_TOKENS rows (so on the machines measured, fp32 and bf16); a
+head call of fewer rows on the file path's side (a batch under MIN_TOKENS tokens in all, or a
+row-block tail, `choose_row_block`) may differ in the last bit.
 """
 
 from __future__ import annotations
