@@ -2,7 +2,8 @@
 
 Design: `compile_for` / `compile_norm_for` build triton's `ASTSource` route (the only one
 that works without a driver) from the same `default_config`, `fwd_constexprs` and
-`norm_config` the launcher uses, with the specialisation the JIT would apply (16-byte
+`norm_config` the launcher uses (`compile_persistent_for`: the persistent kernel, its TMA
+descriptors typed by block shape), with the specialisation the JIT would apply (16-byte
 aligned pointers, ints divisible by 16). `aot_variants` lists what tests/test_lm_head_aot.py
 compiles for sm_90, where it asserts wgmma, register spills and shared memory.
 Limits: needs no GPU, but does need triton's bundled ptxas for the cubin.
@@ -16,8 +17,16 @@ from dataclasses import replace
 import triton
 from triton.compiler import ASTSource
 
-from ._triton_config import Variant, aligned_row, default_config, fwd_constexprs, norm_config
+from ._triton_config import (
+    Variant,
+    aligned_row,
+    default_config,
+    fwd_constexprs,
+    norm_config,
+    persistent_config,
+)
 from ._triton_norm import rms_norm_kernel
+from ._triton_persistent import lm_head_persistent_kernel, persistent_constexprs
 from .lm_head_triton import lm_head_fwd_kernel
 
 # Register spills (bytes, ptxas stores + loads) allowed for top-k variants, which keep the
@@ -120,6 +129,52 @@ def compile_for(
     src = ASTSource(fn=lm_head_fwd_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return triton.compile(src, target=target, options=opts), cfg
+
+
+# The persistent kernel's modes (`_triton_persistent.supports`), named as `aot_variants` names them.
+PERSISTENT_VARIANTS = {
+    "bf16-lse-argmax": Variant(),
+    "bf16-argmax-nolse": Variant(lse=False),
+    "bf16-draft-argmax-nolse": Variant(draft=True, lse=False),
+    "bf16-draft": Variant(draft=True),
+    "bf16-softcap": Variant(softcap=True),
+    "bf16-draft-softcap-argmax-nolse": Variant(draft=True, softcap=True, lse=False),
+    "fp16-lse-argmax": Variant(weight="fp16"),
+}
+
+
+def compile_persistent_for(
+    target, variant: Variant, n_rows: int = 8192, V: int = 151_936, H: int = 4096, n_progs: int = 132,
+):  # fmt: skip
+    """Compile `lm_head_persistent_kernel` ahead of time with the launcher's config for
+    (n_rows, V, H) and a grid of n_progs programs (132 SMs: H100 / H200 SXM); returns
+    (kernel, config, programs)."""
+    cfg = persistent_config(variant, n_rows, V, H, interpret=False)
+    n_progs = n_progs // cfg.GROUP_SIZE * cfg.GROUP_SIZE  # `_triton_persistent.num_programs`
+    w = variant.weight
+    sig = {
+        "y_desc": f"tensordesc<{w}[{cfg.BLOCK_N}, {cfg.BLOCK_H}]>",
+        "w_desc": f"tensordesc<{w}[{cfg.BLOCK_V}, {cfg.BLOCK_H}]>",
+        **dict.fromkeys(["PartM_ptr", "PartS_ptr"], "*fp32"),
+        "PartArg_ptr": "*i32",
+        "Order_ptr": "*i32",
+        **dict.fromkeys(["Draft_ptr", "PartDM_ptr", "PartDS_ptr"], "*fp32"),
+        **dict.fromkeys(["N", "V", "H", "Vd", "stride_pm", "stride_dm"], "i32"),
+        "logit_scale": "fp32",
+        "softcap": "fp32",
+    }
+    constexprs = persistent_constexprs(variant, cfg, n_progs, interpret=False)
+    sig.update(dict.fromkeys(constexprs, "constexpr"))
+    names = lm_head_persistent_kernel.arg_names
+    sig = {name: sig[name] for name in names}
+    values = {"N": n_rows, "V": V, "H": H, "stride_dm": aligned_row(32_000)}
+    attrs = {}
+    for i, name in enumerate(names):
+        if sig[name].startswith("*") or (name in values and values[name] % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=lm_head_persistent_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    opts = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return triton.compile(src, target=target, options=opts), cfg, n_progs
 
 
 def compile_norm_for(target, hidden: str, weight: str, norm_mode: int, H: int = 4096):

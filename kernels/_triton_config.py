@@ -5,16 +5,27 @@ Design: a `Variant` (dtypes and output-mode flags) selects one compiled `lm_head
 reason beside each choice (tests/test_lm_head_aot.py compiles exactly these for sm_90);
 `norm_config` does the same for the norm prologue. `fwd_constexprs` turns a variant and a
 config into the kernel's meta-parameters, for the launcher and the AOT compiler alike.
+`persistent_config` chooses the persistent kernel's (`_triton_persistent`), which runs instead
+of the tiled one when EAGLE_FAST_TRITON_VARIANT=persistent (read once, at import: `KERNEL`) or
+when a caller asks for it, and only for the modes it covers; the default stays "tiled".
 Limits: autotuning runs only with EAGLE_FAST_AUTOTUNE=1 on CUDA, a few configs around the
 default, timed once per (V, H, bucketed N, variant) and kept for the process.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from triton.testing import do_bench
+
+# Which fused kernel the launcher runs: "tiled" (`lm_head_fwd_kernel`, one program per tile) or
+# "persistent" (`lm_head_persistent_kernel`, one program per SM, TMA-fed; the modes it covers).
+KERNELS = ("tiled", "persistent")
+KERNEL = os.environ.get("EAGLE_FAST_TRITON_VARIANT", "tiled")
+if KERNEL not in KERNELS:
+    raise ValueError(f"EAGLE_FAST_TRITON_VARIANT={KERNEL!r}: expected one of {KERNELS}")
 
 TL_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -113,6 +124,18 @@ def default_config(variant: Variant, n_rows: int, V: int, H: int, interpret: boo
     if heavy:
         return Config(128, 128, 64, 8, num_warps=16, num_stages=4)
     return Config(128, 256, 64, 8, num_warps=8, num_stages=3)
+
+
+def persistent_config(variant: Variant, n_rows: int, V: int, H: int, interpret: bool) -> Config:
+    """Block sizes of `lm_head_persistent_kernel` (modes: lse / argmax / draft, 16-bit weights)."""
+    if interpret:  # as `default_config`, with BLOCK_V=256: more tiles per lane under test
+        return Config(16 if n_rows <= 64 else 64, 256, min(256, max(16, next_pow2(H))), 2, 4, 1)
+    # The tiled kernel's 128x256x64 tile on two warpgroups (wgmma m64n256k16) and 3 stages
+    # (144 KB of shared memory), whose lse / argmax / draft epilogues fit their registers.
+    # GROUP_SIZE=12: 132 SMs = 12 row blocks x 11 lanes, so a group's programs stream 11
+    # consecutive weight tiles (22 MB) past 12 row blocks of y (12 MB at H=4096) in L2, and the
+    # weight is read from HBM N / 1536 times (5.3 at N=8192; 8 in the tiled kernel's groups of 8).
+    return Config(128, 256, 64, 12, num_warps=8, num_stages=3)
 
 
 def norm_config(H: int, interpret: bool) -> tuple[int, int, int]:

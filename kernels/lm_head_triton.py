@@ -1,9 +1,8 @@
 """The head op in Triton: RMSNorm prologue + LM-head GEMM fused with its vocabulary reductions.
 
-`lm_head_triton(req)` turns final pre-norm hidden states [N, H] into EAGLE-3 supervision
-(lse, argmax, top-k, draft-vocab log-probs, the sparse draft top-k, optionally logits /
-logprobs) with the semantics `reference.py` defines, without materialising fp32 [N, V]
-logits unless asked for.
+`lm_head_triton(req)` turns final pre-norm hidden states [N, H] into EAGLE-3 supervision (lse,
+argmax, top-k, draft-vocab log-probs, the sparse draft top-k, optionally logits / logprobs) with
+the semantics `reference.py` defines, without materialising fp32 [N, V] logits unless asked for.
 
 Design
   1. The norm prologue (`_triton_norm`) writes y = norm(x) in the weight dtype, rounded as
@@ -27,13 +26,12 @@ Design
      pairs with all the candidates they can hold (`_Head._redo_topk`): the top-k is exact.
   Rows run in chunks that keep the scratch under `_SCRATCH_BYTES`. Every size is known on the
   host (the re-run's too), so the CUDA call path never waits on the device.
-  CPU tensors run the same kernels in triton's interpreter (`_triton_interpret`); INTERPRET
-  upcasts dot operands (it multiplies bf16 bit patterns) and rounds to nearest-even before
-  16-bit stores (its casts truncate).
+  CPU tensors run the same kernels in triton's interpreter (`_triton_interpret`); INTERPRET upcasts
+  dot operands (it multiplies bf16 bit patterns), rounds to nearest-even before 16-bit stores.
 Limits: V < 2^31 (ids live in 31 bits of a key); fp32 weights use full-precision fp32 FMA
 ("ieee", no tf32: the reference is full fp32), correct but far slower than bf16 on a GPU.
-Block sizes and EAGLE_FAST_AUTOTUNE=1: `_triton_config`; the sm_90 compile checks:
-`_triton_aot` and tests/test_lm_head_aot.py.
+Block sizes, EAGLE_FAST_AUTOTUNE=1, the switch to the persistent TMA-fed kernel of the lse / argmax
+/ draft modes (`_triton_persistent`): `_triton_config`; the sm_90 compile checks: `_triton_aot`.
 """
 
 from __future__ import annotations
@@ -47,6 +45,7 @@ import triton.language as tl
 
 from ._common import HeadOutput, HeadRequest
 from ._triton_config import (
+    KERNEL,
     TL_NAME,
     Config,
     Variant,
@@ -78,6 +77,7 @@ from ._triton_merge import (
     write_topk,
 )
 from ._triton_norm import normalize_triton
+from ._triton_persistent import run_persistent, supports
 
 # Scratch budget per launch, besides the outputs and y [N, H]: per-tile stats and top-k
 # candidates (`Scratch.bytes_per_row`) and, with a 16-bit out_dtype, fp32 staging of logprobs
@@ -246,19 +246,17 @@ def lm_head_fwd_kernel(
 # ----------------------------------------------------------------------------- launcher
 
 
-def lm_head_triton(req: HeadRequest) -> HeadOutput:
-    """Fused Triton head. `req` is validated and 2-D (see `_common.HeadRequest`).
+def lm_head_triton(req: HeadRequest, kernel: str = KERNEL) -> HeadOutput:
+    """Fused Triton head. `req` is validated and 2-D (see `_common.HeadRequest`); `kernel`:
+    "tiled", or "persistent" for the modes `_triton_persistent.supports` (others run tiled).
 
     Returns argmax int64 [N], lse fp32 [N] when `req.needs_lse`, and whatever `req.outputs`
     asks for, with the reference's semantics (the module header has the algorithm,
     `_SCRATCH_BYTES` the scratch bound). CUDA tensors run compiled kernels; CPU tensors run
     the same kernels in triton's interpreter.
     """
-    hidden, weight = req.hidden, req.weight
-    device = hidden.device
-    N, H = hidden.shape
-    V = weight.shape[0]
-    out_dtype = req.out_dtype
+    hidden, weight, device, out_dtype = req.hidden, req.weight, req.hidden.device, req.out_dtype
+    (N, H), V = hidden.shape, weight.shape[0]
 
     # ---- 1. check constraints
     if device.type not in ("cuda", "cpu"):
@@ -300,12 +298,12 @@ def lm_head_triton(req: HeadRequest) -> HeadOutput:
         return out
 
     # ---- 3. launch: norm prologue, then row chunks of the fused GEMM + small merges
-    head = _Head(req, out, interpret)
+    head = _Head(req, out, interpret, kernel)
     if interpret:
         head.run()
         return out
     with torch.cuda.device(device):  # triton launches on the current device
-        if os.environ.get("EAGLE_FAST_AUTOTUNE") == "1":
+        if os.environ.get("EAGLE_FAST_AUTOTUNE") == "1" and not head.persistent:
             key = (V, H, min(next_pow2(N), 8192), head.variant)
             head.cfg = autotune_config(head.variant, head.cfg, key, head.trial)
         head.run()
@@ -315,7 +313,7 @@ def lm_head_triton(req: HeadRequest) -> HeadOutput:
 class _Head:
     """One `lm_head_triton` call: variant and config, row chunks, launches and merges."""
 
-    def __init__(self, req: HeadRequest, out: HeadOutput, interpret: bool):
+    def __init__(self, req: HeadRequest, out: HeadOutput, interpret: bool, kernel: str = "tiled"):
         self.req, self.out, self.interpret = req, out, interpret
         self.N, self.H = req.hidden.shape
         self.V = req.weight.shape[0]
@@ -343,7 +341,7 @@ class _Head:
         self.order = self.in_draft = None
         if self.Vd:
             self.order, self.in_draft = draft_first_order(req.draft_ids, self.V)
-        self.y = None
+        self.y, self.persistent = None, kernel == "persistent" and supports(self.variant, req.weight)
 
     def _tiles(self, cfg: Config) -> tuple[int, int, int]:
         """(T vocab tiles, TD draft tiles, C tiles with top-k candidates: T, or TD for draft_topk)."""
@@ -422,6 +420,8 @@ class _Head:
         N, V = self.N, self.V
         if self.y is None:
             self.y = normalize_triton(req, self.interpret)
+        if self.persistent:
+            return run_persistent(self, _SCRATCH_BYTES)
         n_rounds = self._rounds(cfg, exact=False)
         exact = n_rounds == self._rounds(cfg, exact=True)
         stage_logprobs = v.logprobs and not self.out_f32
