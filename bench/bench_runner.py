@@ -14,6 +14,9 @@ What it does
                                default out_dtype (the target's: bf16 draft log-probs here)
       forward_eagle3_supervision-fp32  the same with out_dtype=float32 (the head's results
                                unrounded; twice the output bytes)
+      forward_eagle3_supervision-exact the fast path with the CPU screen off
+                               (`_torch_screen.switched(False)`): the same bytes by the exact
+                               walk, i.e. the fast path before the screen, beside it
       capture / capture-padded the engine alone (unpadded rows / full rows), for the head share
       gemm-floor               the bare GEMM of the head's shape on the non-pad tokens (`_floor.py`:
                                the cheapest GEMM PyTorch offers here, operands prepared)
@@ -48,6 +51,7 @@ import _floor
 import _harness as H
 import shapes
 import torch
+from eagle_fast.kernels._torch_screen import switched
 
 NAME = "runner"  # results: runner-<device>.json
 
@@ -168,6 +172,11 @@ def run(args) -> dict:
             probs, pmask = project(logits, draft_ids, draft_mask, mask)
             return probs, pmask, aux
 
+        def exact_walk():
+            with switched(False):
+                return runner.forward_eagle3_supervision(input_ids, mask, outputs=("draft", "argmax"),
+                                                         draft_ids=draft_ids)
+
         methods = {
             "seed-forward_eagle3": lambda: seed.forward_eagle3(input_ids, mask),
             "seed+draft-projection": seed_projection,
@@ -177,6 +186,7 @@ def run(args) -> dict:
             "forward_eagle3_supervision-fp32": lambda: runner.forward_eagle3_supervision(
                 input_ids, mask, outputs=("draft", "argmax"), draft_ids=draft_ids,
                 out_dtype=torch.float32),
+            "forward_eagle3_supervision-exact": exact_walk,
             "capture": lambda: runner.capture(seqs),
             "capture-padded": lambda: runner.capture(full_rows),
             "gemm-floor": floor,
@@ -280,6 +290,8 @@ def _cross_check(sbs: H.SideBySide, mask, draft_mask) -> dict:
         res["supervision_in_draft_agree"] = float((sup["in_draft"] == draft_mask[seed["argmax"]]).float().mean())
         sup32 = sbs.timings["forward_eagle3_supervision-fp32"].result
         res["supervision_fp32_argmax_agree"] = float((sup32["argmax"] == seed["argmax"]).float().mean())
+        exact = sbs.timings["forward_eagle3_supervision-exact"].result
+        res["screen_vs_exact_same_argmax"] = bool(torch.equal(sup["argmax"], exact["argmax"]))
         res["forward_eagle3_max_abs_max_logit_diff"] = float((ours["max_logit"] - seed["max_logit"]).abs().max())
     except Exception as e:  # noqa: BLE001 - a failed method is reported in its record
         res["error"] = f"{type(e).__name__}: {e}"
@@ -303,11 +315,13 @@ def verdicts(results: dict) -> H.Verdicts:
         v.check(f"runner ({where}): forward_eagle3 throughput >= 1.4x seed's", r >= 1.4,
                 f"{fe3['tokens_per_s']:.0f} vs {seed['tokens_per_s']:.0f} tok/s = {r:.2f}x; head "
                 f"{_vs_floor(fe3)} the bare GEMM")
-    for name in ("forward_eagle3_supervision", "forward_eagle3_supervision-fp32"):
+    for name in ("forward_eagle3_supervision", "forward_eagle3_supervision-fp32",
+                 "forward_eagle3_supervision-exact"):
         r = by.get(name)
         if not (r and r["median_s"]):
             continue
-        label = "supervision(draft, argmax" + (", fp32 out)" if name.endswith("fp32") else ")")
+        label = "supervision(draft, argmax" + {"fp32": ", fp32 out)", "exact": ", screen off)"}.get(
+            name.rsplit("-", 1)[-1], ")")
         ratio = r["tokens_per_s"] / seed["tokens_per_s"]
         ph = r.get("phases_s") or {}
         split = (", call by phase: " + ", ".join(f"{p} {100 * ph[p] / ph['total']:.0f}%"
