@@ -72,16 +72,18 @@ def _tile_argmax_walk(
     # lowest other position among the maxima are both mapped and the lower id wins.
     logits = tl.where(logits == logits, logits, float("inf"))  # noqa: PLR0124 (NaN as +inf)
     m = tl.max(logits, axis=1)
-    at_max = logits == m[:, None]
+    # (the maxima are compared in each branch: a [BLOCK_N, BLOCK_V] mask live across the
+    # branch costs its bits packed into registers)
     if HAS_ORDER and start < Vd and start + BLOCK_V > Vd:
         is_draft = (pos < Vd)[None, :]
+        at_max = logits == m[:, None]
         pd = tl.min(tl.where(at_max & is_draft, pos[None, :], 0x7FFFFFFF), axis=1)
         po = tl.min(tl.where(at_max & ~is_draft, pos[None, :], 0x7FFFFFFF), axis=1)
         id_d = tl.load(Order_ptr + pd, mask=pd < V, other=0x7FFFFFFF)
         id_o = tl.load(Order_ptr + po, mask=po < V, other=0x7FFFFFFF)
         arg = tl.minimum(id_d, id_o)
     else:
-        arg = tl.min(tl.where(at_max, pos[None, :], 0x7FFFFFFF), axis=1)
+        arg = tl.min(tl.where(logits == m[:, None], pos[None, :], 0x7FFFFFFF), axis=1)
         if HAS_ORDER:  # the tile's first column, a real one, is the lowest of an all -inf row
             arg = tl.load(Order_ptr + arg)
     return logits, m, arg

@@ -187,8 +187,9 @@ def test_variant_switch_is_read_at_import():
 # --------------------------------------------------------------------- sm_90, ahead of time
 
 # Spill bytes (stores + loads) the persistent variants may have: 0 is the goal; the draft
-# epilogue (dense draft stores + running draft statistics) still spills on 255 registers.
-SPILL_BOUND = {"bf16-lse-argmax": 0, "bf16-argmax-nolse": 0, "bf16-draft-argmax-nolse": 400}
+# epilogue (dense draft stores + running draft statistics) still spills 120 B at 255 registers
+# (ptxas 13), about 5 local loads / stores per tile on its common path.
+SPILL_BOUND = {"bf16-lse-argmax": 0, "bf16-argmax-nolse": 0, "bf16-draft-argmax-nolse": 160}
 
 
 @pytest.mark.skipif(not isinstance(pers.lm_head_persistent_kernel, JITFunction),
