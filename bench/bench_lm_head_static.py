@@ -2,10 +2,12 @@
 
 What it does
     Compiles `lm_head_fwd_kernel` for sm_90 (triton's `ASTSource` route, `_triton_aot.compile_for`,
-    the launcher's own block sizes) at the real shape N=8192, H=4096, V=151,936 with a 32,000-id
+    the launcher's own block sizes), and the persistent, TMA-fed `lm_head_persistent_kernel` for
+    the modes it covers (`compile_persistent_for`, rows named persistent-*, 132 programs), at the real shape N=8192, H=4096, V=151,936 with a 32,000-id
     draft vocabulary, disassembles each cubin with the `cuobjdump` in the triton wheel, and
     records per variant: registers and spill bytes (ptxas log of the real compile), shared
-    memory, the wgmma shape, the grid (CTAs and waves on 132 SMs), and the epilogue's SASS
+    memory, the wgmma shape, whether the operands arrive by TMA (UTMALDG) or cp.async, the grid
+    (CTAs and waves on 132 SMs), and the epilogue's SASS
     instructions per logit on draft tiles and on the other tiles. Writes JSON (`--json FILE`) and
     prints a markdown table.
 
@@ -17,7 +19,11 @@ How the epilogue is delimited in the SASS
     top-k extraction rounds) is one block counted `trips` times (8 in a first pass,
     min(k, BLOCK_V) = 64 in the exact re-run), and a guard that jumps over a loop is not a path
     (n_rounds >= 1). The kernel branches on the tile: scale 1 or not, the ragged last tile, a
-    draft tile, the last (mixed) draft tile. Other tiles = the SHORTEST path from the
+    draft tile, the last (mixed) draft tile. In the persistent kernel the main loop is the
+    innermost HGMMA loop (the K loop) and the epilogue ends at the back-edge of the tile loop
+    around it; its shortest path with more stores is the flush of a row block's running
+    statistics (once per row block and lane), so its draft tiles are the shortest path with
+    more stores than that one. Other tiles = the SHORTEST path from the
     epilogue's start to an EXIT; draft tiles = the shortest path with more global stores than
     that one (a full draft tile); the longest path (the mixed or ragged tile) is kept too.
     Divided by the logits one thread holds (BLOCK_N * BLOCK_V / (32 * num_warps)), that is
@@ -51,7 +57,7 @@ from pathlib import Path
 
 import triton
 from eagle_fast.kernels import _triton_aot as aot
-from eagle_fast.kernels._triton_config import Variant, default_config
+from eagle_fast.kernels._triton_config import Variant
 
 N, H, V, VD, K = 8192, 4096, 151_936, 32_000, 64  # the issue's shape (Qwen3-8B, 32k draft)
 SMS = 132  # H100 / H200 SXM
@@ -77,6 +83,9 @@ CORE = {
     "bf16-logits": Variant(logits=True, out="bf16"),
     "bf16-logprobs": Variant(logprobs=True),
 }
+# The persistent kernel's modes (absent from revisions before it: --baseline).
+PERSISTENT = {"persistent-" + n: v for n, v in getattr(aot, "PERSISTENT_VARIANTS", {}).items()
+              if not n.startswith("fp16")}  # fmt: skip
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 
@@ -96,9 +105,11 @@ def _target(operands: str) -> int | None:
     return int(m.group(1), 16) if m else None
 
 
-def epilogue_paths(instrs, trips: int) -> dict:
+def epilogue_paths(instrs, trips: int, persistent: bool = False) -> dict:
     """Instruction counts of the paths through the epilogue (module header): the shortest, the
-    shortest with more global stores than that one (a draft tile's), and the longest."""
+    shortest with more global stores than that one (a draft tile's), and the longest. In the
+    `persistent` kernel the epilogue runs from the K loop (the innermost HGMMA loop) to the
+    back-edge of the tile loop around it."""
     addr = [a for a, *_ in instrs]
     index = {a: i for i, a in enumerate(addr)}
 
@@ -110,8 +121,14 @@ def epilogue_paths(instrs, trips: int) -> dict:
     loops = [(target(i), i) for i in range(len(instrs)) if (target(i) or len(instrs)) <= i]
     hgmma = [(a, b) for a, b in loops if any(instrs[j][2].startswith("HGMMA") for j in range(a, b))]
     main = max(hgmma, key=lambda ab: ab[1]) if hgmma else max(loops, key=lambda ab: ab[1] - ab[0])
-    exits = [i for i, (_, p, op, _) in enumerate(instrs) if op == "EXIT" and not p]
-    start, end = main[1] + 1, exits[-1]
+    if not persistent:
+        exits = [i for i, (_, p, op, _) in enumerate(instrs) if op == "EXIT" and not p]
+        start, end = main[1] + 1, exits[-1]
+    else:
+        main = min(hgmma, key=lambda ab: ab[1] - ab[0])
+        tile_loop = min(((a, b) for a, b in loops if a < main[0] and b > main[1]),
+                        key=lambda ab: ab[1] - ab[0])  # fmt: skip
+        start, end = main[1] + 1, tile_loop[1]
     inner = [(a, b) for a, b in loops if start <= a and b <= end]  # top-k rounds (not nested)
     in_loop = {i: (a, b) for a, b in inner for i in range(a, b + 1)}
     # blocks: a loop is one block of (body x trips); elsewhere BRA targets and fall-throughs
@@ -151,7 +168,8 @@ def epilogue_paths(instrs, trips: int) -> dict:
         n = (hi - b) * w
         stores = w * sum(instrs[i][2].startswith("STG") for i in range(b, hi))
         last = instrs[hi - 1]
-        here: dict[int, tuple[int, int]] = {stores: (n, n)} if last[2] == "EXIT" else {}
+        done = last[2] == "EXIT" or hi - 1 == end  # an exit, or the tile loop's back-edge
+        here: dict[int, tuple[int, int]] = {stores: (n, n)} if done else {}
         for s_ in successors(b):
             for c, (short, long) in paths.get(s_, {}).items():
                 old = here.get(c + stores, (10**9, 0))
@@ -159,7 +177,10 @@ def epilogue_paths(instrs, trips: int) -> dict:
         paths[b] = here
     ends = paths[start]
     base = min(ends, key=lambda c: ends[c][0])  # the stores of the shortest path
-    more = [v[0] for c, v in ends.items() if c > base]
+    # a persistent draft tile stores more than the flush of the running statistics, the
+    # shortest path with more stores than the shortest
+    flush = min((c for c in ends if c > base), key=lambda c: ends[c][0], default=base)
+    more = [v[0] for c, v in ends.items() if c > (flush if persistent else base)]
     return {
         "epilogue_start": f"0x{addr[start]:x}",
         "epilogue_instructions": end + 1 - start,
@@ -171,14 +192,18 @@ def epilogue_paths(instrs, trips: int) -> dict:
 
 
 def analyse(name: str, variant: Variant, target) -> dict:
-    """Compile one variant for sm_90 and read its binary."""
-    cfg = default_config(variant, N, V, H, interpret=False)
+    """Compile one variant for sm_90 (the persistent kernel for persistent-* names) and read
+    its binary."""
+    persistent = name.startswith("persistent-")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # a fresh cache: ptxas runs and logs
         os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
-            kernel, cfg = aot.compile_for(target, variant, n_rows=N, V=V, H=H)
+            if persistent:
+                kernel, cfg, progs = aot.compile_persistent_for(target, variant, N, V, H, SMS)
+            else:
+                kernel, cfg = aot.compile_for(target, variant, n_rows=N, V=V, H=H)
         cubin = Path(cache) / "kernel.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
         sass = subprocess.run([_bin("cuobjdump"), "-sass", str(cubin)], capture_output=True,
@@ -188,10 +213,10 @@ def analyse(name: str, variant: Variant, target) -> dict:
     st, ld = map(int, re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)[-1])
     instrs = parse_sass(sass)
     trips = EXACT_ROUNDS if variant.tile_list else FIRST_PASS_ROUNDS
-    paths = epilogue_paths(instrs, trips)
+    paths = epilogue_paths(instrs, trips, persistent)
     per_thread = cfg.BLOCK_N * cfg.BLOCK_V // (32 * cfg.num_warps)
     tiles = -(-V // cfg.BLOCK_V)
-    ctas = -(-N // cfg.BLOCK_N) * tiles
+    ctas = progs if persistent else -(-N // cfg.BLOCK_N) * tiles
     wgmma = sorted({op for _, _, op, _ in instrs if op.startswith("HGMMA")})
     drafty = variant.draft or variant.draft_topk
 
@@ -209,6 +234,8 @@ def analyse(name: str, variant: Variant, target) -> dict:
         "spill_bytes": st + ld,
         "shared_bytes": kernel.metadata.shared,
         "wgmma": wgmma,
+        "tma_loads": sum(op.startswith("UTMALDG") for _, _, op, _ in instrs),
+        "persistent": persistent,
         "ctas": ctas,
         "waves": round(ctas / SMS, 1),
         "draft_tiles": -(-VD // cfg.BLOCK_V) if drafty else 0,
@@ -264,9 +291,9 @@ def project(row: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| variant | block (N x V, warps, stages) | regs | spill B | smem KB | CTAs (waves) "
-            "| SASS/logit draft tiles | SASS/logit other tiles | epilogue / GEMM (issue-bound) "
-            "|\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    head = ("| variant | block (N x V, warps, stages) | regs | spill B | smem KB | loads "
+            "| CTAs (waves) | SASS/logit draft tiles | SASS/logit other tiles "
+            "| epilogue / GEMM (issue-bound) |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     lines = [head]
     for r in rows:
         c, e = r["config"], r["epilogue_sass_per_logit"]
@@ -274,7 +301,9 @@ def table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['name']} | {c['BLOCK_N']}x{c['BLOCK_V']}, {c['num_warps']}, {c['num_stages']} "
             f"| {r['registers']} | {r['spill_bytes']} | {r['shared_bytes'] // 1024} "
-            f"| {r['ctas']} ({r['waves']}) | {d} | {e['other_tiles']:.1f} "
+            f"| {'TMA' if r.get('tma_loads') else 'cp.async'} "
+            f"| {r['ctas']} ({'persistent' if r.get('persistent') else r['waves']}) "
+            f"| {d} | {e['other_tiles']:.1f} "
             f"| +{100 * r['projection']['epilogue_over_gemm']:.1f} % |"
         )
     return "\n".join(lines)
@@ -320,13 +349,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from triton.backends.compiler import GPUTarget
 
-    variants = dict(aot.aot_variants()) if args.all else dict(CORE)
+    variants = {**(dict(aot.aot_variants()) if args.all else CORE), **PERSISTENT}
     if args.only:
         variants = {n: v for n, v in variants.items() if n in args.only}
     target = GPUTarget("cuda", 90, 32)
     rows, seen = [], {}
     for name, variant in variants.items():
-        key = replace(variant, out=variant.out if variant.logits else "fp32")
+        key = (name.startswith("persistent-"), replace(variant, out=variant.out if variant.logits else "fp32"))
         if key in seen:
             continue
         rows.append(analyse(name, variant, target))

@@ -40,11 +40,14 @@ PROVIDERS = {
     "lm_head-torch": "3 lm_head(impl='torch')",
     "lm_head-triton": "4 lm_head(impl='triton')",
     "lm_head-triton-before": "4b the same with the kernel before issue 29 (bench/triton_before)",
+    "lm_head-triton-persistent": "4c the same with the persistent TMA-fed kernel (lse / argmax / draft "
+                                 "modes; the others run the tiled one)",
     "gemm-floor": "5 bare GEMM y @ W.T, the cheapest PyTorch offers (the floor)",
     "gemm-fp32out": "6 bare GEMM y @ W.T, fp32 out (beside a bf16-output floor)",
 }
 FLOOR_ONLY = ("gemm-fp32out",)  # run in the floor cases only
-CUDA_ONLY = ("lm_head-triton", "lm_head-triton-before")
+CUDA_ONLY = ("lm_head-triton", "lm_head-triton-before", "lm_head-triton-persistent")
+TRITON_HEADS = CUDA_ONLY
 FLOOR_PROVIDERS = ("gemm-floor", "lm_head-torch")
 
 EPS = 1e-6
@@ -206,7 +209,7 @@ def make_providers(inp: Inputs, mode: str, names) -> dict:
         def call():
             return kernels.lm_head(inp.hidden, inp.weight, inp.norm_weight, eps=EPS, norm=norm, impl=impl, **kw)
 
-        def call_with():  # the same public call, routed to `kernel` (the frozen old one)
+        def call_with():  # the same public call, routed to `kernel` (the frozen old one, ..)
             own, kernels._triton_impl = kernels._triton_impl, lambda: kernel
             try:
                 return call()
@@ -219,18 +222,24 @@ def make_providers(inp: Inputs, mode: str, names) -> dict:
 
         return lm_head_impl("triton", before)
 
+    def triton_persistent():
+        from eagle_fast.kernels.lm_head_triton import lm_head_triton
+
+        return lm_head_impl("triton", lambda req: lm_head_triton(req, kernel="persistent"))
+
     table = {
         "seed-fp32": seed_fp32,
         "torch-native": torch_native,
         "lm_head-torch": lambda: lm_head_impl("torch"),
         "lm_head-triton": lambda: lm_head_impl("triton"),
         "lm_head-triton-before": triton_before,
+        "lm_head-triton-persistent": triton_persistent,
         "gemm-floor": inp.floor,
         "gemm-fp32out": inp.fp32out,
     }
     out = {}
     for n in names:
-        if n in ("lm_head-torch", "lm_head-triton", "lm_head-triton-before"):
+        if n in ("lm_head-torch", *TRITON_HEADS):
             out[n] = table[n]()
         else:
             out[n] = table[n]
@@ -302,7 +311,7 @@ def names_for(shape: HeadShape, device: str, smoke: bool = False) -> list[str]:
     """Providers of one case: the floor cases run the floor and the head only."""
     names = providers_for(device, smoke)
     if is_floor_case(shape):
-        heads = ("lm_head-triton", "lm_head-triton-before") if device == "cuda" else ("lm_head-torch",)
+        heads = TRITON_HEADS if device == "cuda" else ("lm_head-torch",)
         return [n for n in names if n in ("gemm-floor", "gemm-fp32out", *heads)]
     return [n for n in names if n not in FLOOR_ONLY]
 

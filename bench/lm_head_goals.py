@@ -118,6 +118,11 @@ def _gpu_targets(v: H.Verdicts, records, shape: HeadShape, modes, tag: str = "")
             r = tri["median_s"] / old["median_s"]
             v.check(f"GPU ({where}): issue 29's kernel no slower than the one before it", r <= 1.0,
                     f"{H.fmt_s(tri['median_s'])} vs {H.fmt_s(old['median_s'])} = {r:.2f}x")
+        pers = _find(records, shape.name, shape.n_tokens, mode, "lm_head-triton-persistent")
+        if pers and pers["median_s"] and not pers["status"].startswith("error"):
+            r = pers["median_s"] / tri["median_s"]  # no goal yet: which kernel to make the default
+            v.check(f"GPU ({where}): persistent TMA-fed kernel / tiled kernel", None,
+                    f"{H.fmt_s(pers['median_s'])} vs {H.fmt_s(tri['median_s'])} = {r:.2f}x")
         if seed and seed["median_s"]:
             s = seed["median_s"] / tri["median_s"]
             v.check(f"GPU speed-up ({where}): triton >= 10x provider 1", s >= 10,

@@ -12,7 +12,7 @@ from pathlib import Path
 from report_text import PHASES, env_line, fmt_bytes, fmt_s, phases_source, table, targets_md
 
 PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "lm_head-triton-before",
-                  "gemm-floor", "gemm-fp32out")
+                  "lm_head-triton-persistent", "gemm-floor", "gemm-fp32out")
 MODE_ORDER = ("all", "lse+argmax", "topk64", "draft32k", "draft-topk64", "logits-bf16")
 
 
