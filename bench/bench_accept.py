@@ -19,6 +19,8 @@ What it does
       fastpath-vllm the same runner's forward_eagle3_supervision(("draft",)) (no full logits)
       zero-aux      native-bf16 with every aux state zeroed: a broken source (speculators #613's
                     zero-filled captures), to show the measure tells broken data apart
+      speculators-trained, specforge-trained (-fp8: --aux-dtype fp8)  drafts trained by those
+                    trainers' own steps on `--format speculators` / `specforge` (accept_trainers.py)
     and reports for each: NeMo's `simulated_accept_length` on the held-out split (always against
     the reference supervision, the real target), held-out loss, the training loss curve, wall
     time (extraction and training) and bytes per token (on disk here, and at Qwen3-8B shapes from
@@ -36,7 +38,8 @@ Limits
     each held-out conversation's first user turn) and reports its own acceptance counters. Those
     continuations are the target's own generations, not the held-out text, and 40 prompts make a
     noisy estimate: the simulated accept length is the benchmark's measure.
-    Sizes: EAGLE_FAST_BENCH_ACCEPT_STEPS (300), _SEEDS (3); _VLLM=0 skips vLLM.
+    Sizes: EAGLE_FAST_BENCH_ACCEPT_STEPS (300), _SEEDS (3); _VLLM=0 skips vLLM; --sources A,B runs a
+    subset into accept_trainers-cpu.json.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from pathlib import Path
 
 import _harness as H
 import accept as A
+import accept_trainers as AT
 
 NAME = "accept"  # results: accept-cpu.json and accept-cpu.png
 
@@ -66,6 +70,25 @@ K_DEFAULT = 64  # bench_storage's recommended k when its results are not at hand
 PRESET_LOSS_MAX = 0.02  # the compact preset loses <= 2 % accept length against bf16
 PRESET_BYTES_MIN = 6.0  # ... at >= 6x fewer bytes per token
 BENCH_MAX_S = 30 * 60
+# drafts trained by the other trainers' own steps on our datasets (accept_trainers.py)
+TRAINER_SOURCES = {
+    "speculators-trained": ("speculators", {"dtype": "bf16", "layout": "speculators"}),
+    "specforge-trained": ("specforge", {"dtype": "bf16", "layout": "specforge"}),
+    "speculators-trained-fp8": ("speculators-fp8", {"dtype": "bf16", "layout": "speculators", "aux_dtype": "fp8"}),
+}
+TRAINERS_SETUP = {
+    "speculators": "speculators 0.9.0 Eagle3DraftModel (1 layer, eager attention), its kl_div eager loss (TTT weight "
+                   "1.0), AdamW + cosine from its Trainer.setup_optimizer (weight decay 0, warm-up as NeMo's)",
+    "specforge": "SpecForge 0.2.0 LlamaForCausalLMEagle3 (1 layer, sdpa) in OnlineEagle3Model, TrainerCore.train_step "
+                 "around Eagle3TrainStrategy.forward_loss (its reference KL loss on CPU), BF16Optimizer (max grad norm 1.0)",
+    "not_matched": "AdamW betas (0.9, 0.999) in both, not NeMo's (0.9, 0.95); both cosines decay to 0, not lr / 10; "
+                   "their own TTT loss weights",
+    "measure": "each draft's own TTT forward over the held-out reference samples, counted as NeMo's "
+               "Eagle3TrainerModule counts (accept_trainers.prefix_counts), then simulated_accept_length",
+}
+OPTIONS = [H.option("--sources", default=None, metavar="A,B",
+                    help="train and judge only these sources (the reference always; native-bf16 with any "
+                         "trainer source); results go to accept_trainers-cpu.json unless every source runs")]
 QWEN3_8B = {"hidden_size": 4096, "vocab_size": 151_936, "draft_size": 32_000}
 
 
@@ -160,9 +183,13 @@ def _in_process(model, train_plan, ids, mask, ref, emb) -> dict:
     return out
 
 
-def sources(model, target, work: Path, vocab: Path, train_plan, ids, mask, k: int, serve: bool = True):
-    """name -> (training samples, record, draft embeddings), the reference first."""
+def sources(model, target, work: Path, vocab: Path, train_plan, ids, mask, k: int, serve: bool = True,
+            only: set[str] | None = None):
+    """name -> (training samples, record, draft embeddings), the reference first (`only`: these names)."""
     import torch
+
+    def wanted(name: str) -> bool:
+        return only is None or name in only
 
     emb = target.get_input_embeddings().weight.detach().clone()
     data = work / "train.jsonl"
@@ -173,6 +200,8 @@ def sources(model, target, work: Path, vocab: Path, train_plan, ids, mask, k: in
                                "extract_s": time.perf_counter() - t0, "bytes_per_token": None,
                                "qwen3_8b_bytes_per_token": None}, emb)}
     for name, opt in extract_options(k).items():
+        if not wanted(name) and not (name == "native-bf16" and wanted("zero-aux")):
+            continue
         rec = _extract(model, data, vocab, work / name, opt, max_len)
         if opt.get("layout") == "nemo":
             got, e = A.nemo_cache_samples(work / name), A.nemo_cache_embeddings(work / name)
@@ -180,15 +209,57 @@ def sources(model, target, work: Path, vocab: Path, train_plan, ids, mask, k: in
             got, e = A.native_samples(work / name), emb
         A.check_aligned(ref, got, name)
         out[name] = (got, rec, e)
-    if serve:
+    if serve and wanted("served"):
         got, rec = _serve(model, train_plan, ids, mask)
         A.check_aligned(ref, got, "served")
         out["served"] = (got, rec, emb)
-    out.update(_in_process(model, train_plan, ids, mask, ref, emb))
+    if wanted("dropin-vllm") or wanted("fastpath-vllm"):
+        out.update(_in_process(model, train_plan, ids, mask, ref, emb))
+    if not wanted("zero-aux"):
+        return out
     base = out["native-bf16"]
     zeroed = [{**s, "aux_hidden_states": torch.zeros_like(s["aux_hidden_states"])} for s in base[0]]
     out["zero-aux"] = (zeroed, {**base[1], "option": {"control": "native-bf16 with aux zeroed"}}, emb)
     return out
+
+
+def trainer_sources(model, work: Path, vocab: Path, max_len: int, only: set[str] | None) -> dict:
+    """name -> (framework, dataset dir, record): the datasets speculators' and SpecForge's own
+    training steps read (accept_trainers.py)."""
+    from eagle_fast.pipeline.config import ExtractConfig
+    from eagle_fast.pipeline.run import extract
+
+    out = {}
+    for name, (framework, opt) in TRAINER_SOURCES.items():
+        if only is not None and name not in only:
+            continue
+        cfg = ExtractConfig(model=str(model), data=str(work / "train.jsonl"), out=str(work / name), engine="hf",
+                            draft_vocab=str(vocab), max_len=max_len, progress_tty=False, **opt)
+        t0 = time.perf_counter()
+        s = extract(cfg)
+        files = sum(f.stat().st_size for f in (work / name).rglob("*") if f.is_file())
+        out[name] = (framework, work / name, {"option": {**opt, "trainer": framework},
+                                              "extract_s": time.perf_counter() - t0, "tokens": s.tokens,
+                                              "bytes_per_token": files / s.tokens, "qwen3_8b_bytes_per_token": None})
+    return out
+
+
+def _train_with_trainer(framework: str, model, data_dir: Path, work: Path, aux_layers, seed: int, train_ref,
+                        held_ref) -> dict:
+    """One draft trained by `framework`'s own step, judged by NeMo's simulated accept length."""
+    t = A.DraftTrain(steps=STEPS, seed=seed)
+    t0 = time.perf_counter()
+    if framework == "specforge":
+        draft, losses = AT.train_specforge(model, data_dir, work, A.DRAFT_SIZE, t, ref=train_ref)
+        train_s = time.perf_counter() - t0
+        ev = AT.accept_from(lambda s: AT.specforge_predict(draft, s), held_ref)
+    else:
+        draft, losses = AT.train_speculators(model, data_dir, aux_layers, A.DRAFT_SIZE, t,
+                                             fp8=framework == "speculators-fp8", ref=train_ref)
+        train_s = time.perf_counter() - t0
+        ev = AT.accept_from(lambda s: AT.speculators_predict(draft, s), held_ref)
+    return {"seed": seed, "train_s": train_s, "losses": losses, "loss": None, "accuracy": None,
+            "supervised": int(ev["step_valid"][0]), **ev}
 
 
 def _vllm(model, trainer, out: Path, prompts, aux_layers) -> dict:
@@ -222,6 +293,7 @@ def run(args) -> dict:
     k, k_from = recommended_k()
     work = Path(tempfile.mkdtemp(prefix="eagle_fast-bench-accept-"))
     records: dict[str, dict] = {}
+    measure_check = None
     try:
         train_lines, held_lines = A.split_lines()
         data = A.write_jsonl(train_lines, work / "train.jsonl")
@@ -233,7 +305,9 @@ def run(args) -> dict:
         target = A.load_target(model)  # the fp32 target of NeMo's reference, and its config
         ids, mask = A.vocab_tensors(vocab, target.config.vocab_size)
         train_plan, held_plan = A.plan(model, data), A.plan(model, held)
-        srcs = sources(model, target, work, vocab, train_plan, ids, mask, k)
+        only = _only(args)
+        srcs = sources(model, target, work, vocab, train_plan, ids, mask, k, only=only)
+        trained_by = trainer_sources(model, work, vocab, max(s.length for s in train_plan), only)
         held_ref = A.reference_samples(target, held_plan, ids, mask)
         prompts = A.prompts(model, held_lines)
         aux_layers = default_aux_layers(target.config.num_hidden_layers)
@@ -249,8 +323,21 @@ def run(args) -> dict:
                       f"{ev['loss']:.4f}, acc {ev['accuracy']:.4f} ({runs[-1]['train_s']:.0f} s)", flush=True)
                 if seed == SEEDS[0] and VLLM and (name in VLLM_SOURCES or name.startswith("preset-")):
                     rec["vllm"] = _vllm(model, trainer, work / f"draft-{name}", prompts, aux_layers)
+                if seed == SEEDS[0] and name == "reference" and trained_by:
+                    measure_check = AT.check_measure(trainer, held_ref)
+                    print(f"  the mapped accept length equals NeMo's on the reference draft: "
+                          f"{measure_check['mapped_accept_length']:.4f}", flush=True)
             records[name] = {**rec, "runs": runs, **_summary(runs)}
             del samples
+        train_ref = srcs["reference"][0]
+        for name, (framework, data_dir, rec) in trained_by.items():
+            runs = []
+            for seed in SEEDS:
+                runs.append(_train_with_trainer(framework, model, data_dir, work / f"{name}-{seed}", aux_layers, seed,
+                                                train_ref, held_ref))
+                print(f"  {name:28s} seed {seed}: accept length {runs[-1]['accept_length']:.4f} "
+                      f"({runs[-1]['train_s']:.0f} s)", flush=True)
+            records[name] = {**rec, "runs": runs, **_summary(runs)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out = {"benchmark": "accept", "environment": env,
@@ -259,16 +346,35 @@ def run(args) -> dict:
                      "seeds": list(SEEDS), "train_samples": len(train_plan), "train_tokens": sum(s.length for s in train_plan),
                      "held_out_samples": len(held_plan), "held_out_supervised": records["reference"]["runs"][0]["supervised"],
                      "draft": "NeMo AutoModel 0.7.0 LlamaEagle3DraftModel (1 layer) in Eagle3TrainerModule, soft CE",
-                     "threads": torch.get_num_threads()},
+                     "threads": torch.get_num_threads(),
+                     **({"sources": sorted(only)} if only else {}),
+                     **({"trainers": TRAINERS_SETUP, "measure_check": measure_check} if trained_by else {})},
            "records": records, "wall_s": time.perf_counter() - t_start}
     return out
+
+
+def _only(args) -> set[str] | None:
+    """--sources as a set (with the reference, and native-bf16 beside any trainer source), or None."""
+    text = getattr(args, "sources", None)
+    if not text:
+        return None
+    only = {n.strip() for n in text.split(",") if n.strip()} | {"reference"}
+    if only & set(TRAINER_SOURCES):
+        only.add("native-bf16")
+    return only
+
+
+def result_name(args) -> str:
+    """accept-cpu, or accept_trainers-cpu for a --sources subset (never over a full run's file)."""
+    return "accept_trainers-cpu" if _only(args) else f"{NAME}-cpu"
 
 
 def _summary(runs: list[dict]) -> dict:
     al = [r["accept_length"] for r in runs]
     loss = [r["loss"] for r in runs]
     return {"accept_length_mean": statistics.fmean(al), "accept_length_spread": max(al) - min(al),
-            "loss_mean": statistics.fmean(loss), "train_s_mean": statistics.fmean(r["train_s"] for r in runs)}
+            "loss_mean": None if None in loss else statistics.fmean(loss),  # other trainers: their own losses
+            "train_s_mean": statistics.fmean(r["train_s"] for r in runs)}
 
 
 def _paired(records: dict, name: str, base: str) -> float:
@@ -301,6 +407,22 @@ def verdicts(results: dict) -> H.Verdicts:
                 ratio >= PRESET_BYTES_MIN, f"{ratio:.2f}x ({records[preset]['qwen3_8b_bytes_per_token'] / 1000:.1f} "
                 f"vs {base['qwen3_8b_bytes_per_token'] / 1000:.1f} KB; here {records[preset]['bytes_per_token']:.0f} "
                 f"vs {base['bytes_per_token']:.0f} B/token)")
+    if "native-bf16" in records:
+        base = records["native-bf16"]
+        for name in ("speculators-trained", "specforge-trained"):
+            if name not in records:
+                continue
+            d = records[name]["accept_length_mean"] - base["accept_length_mean"]
+            v.check(f"accept: {name} (its own training step on our dataset) within the reference's seed spread "
+                    f"of the NeMo-trained native-bf16 draft", abs(d) <= noise,
+                    f"{records[name]['accept_length_mean']:.4f} vs {base['accept_length_mean']:.4f}; difference "
+                    f"{d:+.4f}, noise {noise:.4f}")
+    if "speculators-trained" in records and "speculators-trained-fp8" in records:
+        a, b = records["speculators-trained-fp8"], records["speculators-trained"]
+        d = _paired(records, "speculators-trained-fp8", "speculators-trained")
+        v.check("accept: speculators trained on --aux-dtype fp8 (final slot quantized too) within the noise of bf16",
+                abs(d) <= noise, f"{a['accept_length_mean']:.4f} vs {b['accept_length_mean']:.4f}; paired difference "
+                f"{d:+.4f}, noise {noise:.4f}")
     if "zero-aux" in records:
         d = _paired(records, "zero-aux", "reference")
         v.check("accept: the zero-aux control is told apart (below the reference by more than the noise)",
