@@ -35,7 +35,7 @@ import os
 import sys
 from pathlib import Path
 
-from report_data import accept_section, storage_section
+from report_data import accept_section, datagen_section, storage_section
 from report_head import cpu_ops_section, lm_head_section, plot_lm_head
 from report_system import pipeline_section, ray_section, runner_section, serve_section
 
@@ -93,6 +93,10 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
     out += storage_section(json.loads(files["storage-cpu"].read_text()) if "storage-cpu" in files else None)
     if "accept-cpu" in files:
         out += accept_section(json.loads(files["accept-cpu"].read_text()), link(results / "accept-cpu.png"))
+    if "accept_trainers-cpu" in files:
+        out += accept_section(json.loads(files["accept_trainers-cpu"].read_text()))
+    if "speculators_datagen-cpu" in files:
+        out += datagen_section(json.loads(files["speculators_datagen-cpu"].read_text()))
     text = "\n".join(out).rstrip() + "\n"
     page.write_text(text)
     return text

