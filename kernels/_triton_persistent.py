@@ -43,9 +43,11 @@ except ImportError:  # older triton: the launcher keeps the tiled kernel
 
 _INT_MAX = 2**31 - 1
 # Flattening the tile loop into the K loop (triton's persistent matmul) would issue the next
-# tile's loads during the epilogue, but with a 128x256 fp32 accumulator ptxas 13 then keeps two
-# in flight: 255 registers, ~900 B spilled, and wgmma serialised (C7514) for draft + argmax.
-# Unflattened, the K loop's own num_stages pipeline still runs ahead inside each tile.
+# tile's loads during the epilogue, but with this 128x256 fp32 accumulator and epilogue
+# (triton 3.9, ptxas 13) every mode gets its wgmma serialised (C7514: the epilogue reads the
+# accumulator inside the pipeline), and draft + argmax needs 272 KB of shared memory (over
+# sm_90's 227 KB) and spills 592 B. Unflattened, each tile refills the K loop's num_stages
+# pipeline (about 3 of its 64 K steps) after the epilogue.
 FLATTEN = False
 
 
