@@ -33,6 +33,7 @@ import contextvars
 import math
 import os
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 
@@ -105,6 +106,34 @@ def norm_upper(x: torch.Tensor) -> torch.Tensor:
     return norm.mul_(1 + _NORM_REL).add_(_NORM_ABS)
 
 
+# Row-norm bounds of the weights screened lately, one fp32 [V] each (0.6 MB at V=152k). A head
+# call walks all V rows: at the row counts supervision groups use (hundreds of tokens),
+# recomputing them per call cost about as much as the screen's GEMM. Keyed by the weight's
+# storage (held weakly: the public call passes a fresh `detach()` of the caller's tensor each
+# time, whose storage object is the same), its view (offset, shape, strides) and its version
+# counter, which every in-place change bumps and which detached views share.
+_WEIGHT_NORMS: dict[tuple, tuple] = {}
+_NORMS_LOCK = threading.Lock()
+
+
+def weight_norms(weight: torch.Tensor) -> torch.Tensor:
+    """`norm_upper(weight)`, computed once per weight (and again after it changes). Any fp32
+    evaluation of a row's norm is within 2^-11 of it, so the bound holds whichever rows or
+    shapes it was computed over."""
+    storage = weight.untyped_storage()
+    key = (id(storage), weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype)
+    with _NORMS_LOCK:
+        seen = _WEIGHT_NORMS.get(key)
+    if seen and seen[0]() is storage and seen[1] == weight._version:
+        return seen[2]
+    norms = norm_upper(weight)
+    with _NORMS_LOCK:
+        if len(_WEIGHT_NORMS) >= 4 and key not in _WEIGHT_NORMS:
+            _WEIGHT_NORMS.pop(next(iter(_WEIGHT_NORMS)))
+        _WEIGHT_NORMS[key] = (weakref.ref(storage), weight._version, norms)
+    return norms
+
+
 def fp32_gap(y_norm: torch.Tensor, w_norm: torch.Tensor, hidden: int) -> torch.Tensor:
     """Bound on |a - b| for two fp32 evaluations a, b of the same bf16 dot product y . w.
 
@@ -159,13 +188,14 @@ def screen_rest(weight, y, order, start: int, chunk: int, row_block: int, run_ma
     z_buf = torch.empty(rows_per_tile * chunk, dtype=torch.bfloat16)
     w_buf = torch.empty(chunk * H, dtype=torch.bfloat16)
     y_norm_max = float(y_norm.max())
+    norms = weight_norms(weight)
     for p0 in range(start, V, chunk):
         p1 = min(p0 + chunk, V)
         c = p1 - p0
         with phase("upcast"):
             w_chunk = w_buf[: c * H].view(c, H)
             torch.index_select(weight, 0, order[p0:p1], out=w_chunk)
-            w_norm = norm_upper(w_chunk)
+            w_norm = norms.index_select(0, order[p0:p1])
             w_max = float(w_norm.max())
         # Below 2^120 no partial sum can reach fp32's overflow (|partial| <= ||y|| ||w||), so
         # z holds no NaN and the tile's max can be read off its bits (`_row_max_upper`).

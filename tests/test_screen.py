@@ -191,3 +191,21 @@ def test_trained_tiny_target_same_bytes(tmp_path):
     a, b, counts = _both(hidden, weight, norm_weight, draft_ids, 256, 64)
     _assert_same(a, b)
     assert counts["tiles"] > 0
+
+
+def test_weight_norms_follow_the_weight():
+    """The cached row-norm bounds serve the same weight again (the public call detaches it on
+    every call) and are recomputed after an in-place change or for another view; a call after
+    the weight changed still returns the exact walk's bytes."""
+    from eagle_fast.kernels._torch_screen import weight_norms
+
+    hidden, weight, norm_weight, draft_ids = _inputs(256, 64, 3000, 700, seed=9)
+    first = weight_norms(weight.detach())
+    assert weight_norms(weight.detach()) is first, "the same weight missed the cache"
+    weight[:10] *= 4  # bumps the version counter the detached views share
+    again = weight_norms(weight.detach())
+    assert again is not first and torch.equal(again, norm_upper(weight))
+    assert torch.equal(weight_norms(weight[1:]), norm_upper(weight[1:]))
+    a, b, counts = _both(hidden, weight, norm_weight, draft_ids, 256, 64)
+    _assert_same(a, b)
+    assert counts["tiles"] > 0
