@@ -15,7 +15,7 @@ default, timed once per (V, H, bucketed N, variant) and kept for the process.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.testing import do_bench
@@ -130,12 +130,13 @@ def persistent_config(variant: Variant, n_rows: int, V: int, H: int, interpret: 
     """Block sizes of `lm_head_persistent_kernel` (modes: lse / argmax / draft, 16-bit weights)."""
     if interpret:  # as `default_config`, with BLOCK_V=256: more tiles per lane under test
         return Config(16 if n_rows <= 64 else 64, 256, min(256, max(16, next_pow2(H))), 2, 4, 1)
-    # The tiled kernel's 128x256x64 tile on two warpgroups (wgmma m64n256k16) and 3 stages
-    # (144 KB of shared memory), whose lse / argmax / draft epilogues fit their registers.
-    # GROUP_SIZE=12: 132 SMs = 12 row blocks x 11 lanes, so a group's programs stream 11
-    # consecutive weight tiles (22 MB) past 12 row blocks of y (12 MB at H=4096) in L2, and the
-    # weight is read from HBM N / 1536 times (5.3 at N=8192; 8 in the tiled kernel's groups of 8).
-    return Config(128, 256, 64, 12, num_warps=8, num_stages=3)
+    # The tiled kernel's tiles (`default_config`): 128x256x64 on two warpgroups (wgmma
+    # m64n256k16), 3 stages, 144 KB of shared memory; draft with softcap 128x128 on 16 warps
+    # (784 B spilled at 128x256 with the running statistics). GROUP_SIZE=12: 132 SMs = 12 row
+    # blocks x 11 lanes, so a group's programs stream 11 consecutive weight tiles (22 MB) past
+    # 12 row blocks of y (12 MB at H=4096) in L2, and the weight is read from HBM N / 1536 times
+    # (5.3 at N=8192; 8 in the tiled kernel's groups of 8).
+    return replace(default_config(variant, n_rows, V, H, interpret), GROUP_SIZE=12)
 
 
 def norm_config(H: int, interpret: bool) -> tuple[int, int, int]:
