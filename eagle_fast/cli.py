@@ -182,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8001, help="HTTP port (default 8001)")
     p.add_argument("--probs-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of target_probs on the wire (default fp32; bf16 halves the bytes)")
+    p.add_argument("--supervision", choices=("draft", "draft-topk"), default="draft",
+                   help="target_probs: the draft softmax (default), or draft-topk: the sparse draft target "
+                        "extract stores, rebuilt dense (what training on a draft-topk dataset sees)")
+    p.add_argument("--k", type=int, default=64, help="--supervision draft-topk: draft ids per token (default 64)")
+    p.add_argument("--keep-mass", type=float, default=None, metavar="P",
+                   help="--supervision draft-topk: per token the fewest draft ids whose mass reaches P "
+                        "(0 < P < 1), at most --k")
+    p.add_argument("--tail", choices=("spread", "drop", "renormalize"), default="spread",
+                   help="--supervision draft-topk: the mass outside the kept ids spread over the others "
+                        "(default), dropped, or the kept ids renormalised (Eagle3Dataset's tail modes)")
     p.add_argument("--max-len", type=int, default=None,
                    help="longest row in tokens (default 2048, or the model's max_position_embeddings - 1)")
     p.add_argument("--max-batch-tokens", type=int, default=65536,
@@ -252,7 +262,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     server = TargetServer(ServeConfig(
         model=a.model, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers, host=a.host, port=a.port,
         probs_dtype=a.probs_dtype, max_len=a.max_len, max_batch_tokens=a.max_batch_tokens,
-        exit_when_idle=a.exit_when_idle, vllm=_vllm_settings(a),
+        exit_when_idle=a.exit_when_idle, supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, tail=a.tail,
+        vllm=_vllm_settings(a),
     ))
     return_freed_memory()
     keep_triton_out(server.engine_name)

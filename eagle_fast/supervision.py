@@ -207,6 +207,20 @@ def dense_target_p_ragged(lengths: torch.Tensor, ids: torch.Tensor, logprobs: to
     return out
 
 
+def sparse_target_p(ids: torch.Tensor, logprobs: torch.Tensor, tail: torch.Tensor, draft_size: int,
+                    keep_mass: float | None = None, mode: str = "spread") -> torch.Tensor:
+    """The dense draft distribution fp32 `[T, Vd]` that a draft-topk dataset rebuilds to, from the
+    head's draft top-k (ids / logprobs `[T, K]`, tail `[T]`): with `keep_mass` each token keeps
+    its `keep_mass_lengths` ids, as the native layout stores them and `Eagle3Dataset.target_p`
+    reads them back; without, all K. `eagle-fast serve --supervision draft-topk` sends this."""
+    if not keep_mass:
+        return dense_target_p(ids, logprobs, tail, draft_size, mode)
+    lengths, kept_tail, _ = keep_mass_lengths(logprobs, tail, keep_mass)
+    keep = torch.arange(ids.shape[-1], device=ids.device)[None, :] < lengths[:, None].to(ids.device)
+    return dense_target_p_ragged(lengths.to(ids.device), ids[keep], logprobs[keep], kept_tail.to(ids.device),
+                                 draft_size, mode)
+
+
 def shift_left(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
     """NeMo's `_shift_left_with_zero`: `t` one step left along `dim` (the sequence: 1 for
     `[B, S, ...]`, 0 for one sample), a zero at the end; row t then describes position t+1."""

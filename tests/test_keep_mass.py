@@ -36,6 +36,7 @@ from eagle_fast.supervision import (
     dense_target_p,
     dense_target_p_ragged,
     keep_mass_lengths,
+    sparse_target_p,
 )
 from eagle_fast.vocab import DraftVocab, save_draft_vocab
 
@@ -161,6 +162,18 @@ def test_target_p_equals_the_fixed_k_truncated_the_same_way(pair, mode):
         got_nemo = ragged.nemo_inputs(i, mode)["target_probs"]
         assert_close(got_nemo[:-1], expected[1:], atol=0, rtol=1e-6 if mode == "renormalize" else 0,
                      name=f"nemo {mode} [{i}]")
+
+
+@pytest.mark.parametrize("mode", TAIL_MODES)
+def test_what_serve_sends_is_what_the_dataset_reads_back(pair, mode):
+    """`serve --supervision draft-topk [--keep-mass P]` sends `sparse_target_p` of the head's top-k:
+    bit for bit the target_p of the dataset extract writes from that top-k."""
+    fixed, ragged, p, _ = pair
+    for i in range(len(fixed)):
+        s = fixed.raw(i)
+        top = (s["draft_topk_ids"], s["draft_topk_logprobs"], s["draft_topk_tail"], len(DRAFT_IDS))
+        assert torch.equal(sparse_target_p(*top, p, mode), ragged.target_p(i, mode)), f"keep-mass {mode} [{i}]"
+        assert torch.equal(sparse_target_p(*top, None, mode), fixed.target_p(i, mode)), f"fixed k {mode} [{i}]"
 
 
 def test_collates_keep_the_ragged_rows(pair):

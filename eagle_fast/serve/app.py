@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import math
 import signal
 import sys
 import threading
@@ -47,8 +48,9 @@ from eagle_fast.runners.factory import (
 )
 from eagle_fast.serve import protocol as P
 from eagle_fast.serve import wire
-from eagle_fast.serve.batching import Batcher, Engine, EngineFailure, EngineUnavailable
+from eagle_fast.serve.batching import Batcher, Engine, EngineFailure, EngineUnavailable, TargetSpec
 from eagle_fast.serve.stream import ResponseStream
+from eagle_fast.supervision import TAIL_MODES
 
 logger = logging.getLogger("eagle_fast.serve")
 PROBS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -68,6 +70,10 @@ class ServeConfig:
     max_len: int | None = None
     max_batch_tokens: int = 65536
     exit_when_idle: float | None = None
+    supervision: str = "draft"            # draft | draft-topk (target_probs rebuilt from the sparse target)
+    k: int = 64                           # draft-topk: ids per token (with keep_mass: at most)
+    keep_mass: float | None = None        # draft-topk: per token the fewest ids holding this draft mass
+    tail: str = "spread"                  # draft-topk: spread | drop | renormalize (supervision.TAIL_MODES)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
 
 
@@ -87,6 +93,7 @@ class TargetServer:
         if cfg.exit_when_idle is not None and cfg.exit_when_idle <= 0:
             raise UserError(f"--exit-when-idle must be positive, got {cfg.exit_when_idle}",
                             "pass the seconds without requests after which the server exits")
+        self.target = target_spec(cfg)
         dtype_name = resolve_dtype_name(cfg.model, cfg.dtype)
         if dtype_name not in SHORT_NAMES:
             raise UserError(f"--dtype {cfg.dtype!r} is not one of auto, bf16, fp16, fp32", "pick one of them")
@@ -117,7 +124,7 @@ class TargetServer:
             return runner
 
         self.engine = Engine(build)
-        self.batcher = Batcher(self.engine, self.probs_dtype, cfg.max_batch_tokens)
+        self.batcher = Batcher(self.engine, self.probs_dtype, cfg.max_batch_tokens, self.target)
         self.mapping: P.VocabMapping | None = None
         self.in_flight = 0
         self.last_activity = time.monotonic()
@@ -133,6 +140,9 @@ class TargetServer:
                 "engine": self.engine_name, "dtype": long_name(self.dtype),
                 "probs_dtype": self.cfg.probs_dtype, "max_len": self.max_len,
                 "max_batch_tokens": self.cfg.max_batch_tokens, "nccl": False,
+                "supervision": self.target.kind,
+                **({"k": self.target.k, "keep_mass": self.target.keep_mass, "tail": self.target.tail}
+                   if self.target.kind == "draft-topk" else {}),
                 "server": f"eagle-fast {__version__}"}
 
     def health(self) -> tuple[int, dict]:
@@ -203,6 +213,11 @@ class TargetServer:
         async def set_vocab_mapping(request: Request):
             tensors = wire.decode(await request.body())
             mapping = P.parse_vocab_mapping(tensors, server.info.vocab_size)
+            if server.target.k > mapping.draft_ids.numel():
+                raise P.RequestError(422, f"this server keeps up to --k {server.target.k} draft ids per token, more "
+                                     f"than the draft vocabulary's {mapping.draft_ids.numel()} ids",
+                                     f"restart the server with --k {mapping.draft_ids.numel()} or less, or send "
+                                     "a larger draft vocabulary")
             if not (server.mapping is not None and torch.equal(mapping.selected_ids, server.mapping.selected_ids)
                     and torch.equal(mapping.selected_mask, server.mapping.selected_mask)):
                 server.mapping = mapping  # an equal one keeps the old object: its requests still batch together
@@ -260,6 +275,26 @@ class TargetServer:
                     "200 once the engine is ready")
         server.run()
         logger.info("stopped")
+
+
+def target_spec(cfg: ServeConfig) -> TargetSpec:
+    """What target_probs holds, from --supervision / --k / --keep-mass / --tail; UserError names a bad one."""
+    if cfg.supervision not in ("draft", "draft-topk"):
+        raise UserError(f"--supervision {cfg.supervision!r} cannot be served: NeMo's client trains on target_probs, "
+                        "a draft distribution", "pass --supervision draft (the default) or draft-topk")
+    if cfg.supervision == "draft":
+        if cfg.keep_mass is not None:
+            raise UserError(f"--keep-mass {cfg.keep_mass} needs the sparse draft target",
+                            "add --supervision draft-topk (with --k, the most ids a token keeps)")
+        return TargetSpec()
+    if cfg.k < 1:
+        raise UserError(f"--k {cfg.k}: a draft-topk target keeps at least one id per token", "pass e.g. --k 64")
+    if cfg.keep_mass is not None and not (math.isfinite(cfg.keep_mass) and 0 < cfg.keep_mass < 1):
+        raise UserError(f"--keep-mass {cfg.keep_mass} is not a share of the draft mass strictly between 0 and 1",
+                        "pass e.g. --keep-mass 0.99")
+    if cfg.tail not in TAIL_MODES:
+        raise UserError(f"--tail {cfg.tail!r} is not one of {', '.join(TAIL_MODES)}", "pick one of them")
+    return TargetSpec("draft-topk", cfg.k, cfg.keep_mass, cfg.tail)
 
 
 class _Uvicorn(uvicorn.Server):
@@ -336,4 +371,4 @@ def keep_triton_out(engine: str) -> bool:
     return True
 
 
-__all__ = ["ServeConfig", "TargetServer", "keep_triton_out"]
+__all__ = ["ServeConfig", "TargetServer", "keep_triton_out", "target_spec"]

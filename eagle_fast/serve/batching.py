@@ -11,6 +11,12 @@ argmax) to that request's `ResponseStream`, which sends them while the next grou
 nothing `[tokens, vocab]` exists and no response exists whole.
 `Engine` builds the runner, drops it after a failure and rebuilds it on the next job.
 
+With `--supervision draft-topk` (`TargetSpec`) the head computes the sparse draft target instead
+(k ids, or with --keep-mass the fewest holding that mass) and target_probs is its dense rebuild
+(`supervision.sparse_target_p`, the tail per `tail` mode): what a draft-topk dataset's
+`Eagle3Dataset.nemo_inputs` gives, so online and offline training see one target. The wire
+still carries dense target_probs (NeMo's client reads nothing else).
+
 Limits: one engine, one thread; a batch shares one mapping (requests with another one wait for
 the next call).
 """
@@ -24,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +38,7 @@ import torch.nn.functional as F
 from eagle_fast.runners.base import RunnerBase, scatter_rows
 from eagle_fast.serve.protocol import GenerateRequest, VocabMapping
 from eagle_fast.serve.stream import ResponseStream
-from eagle_fast.supervision import shift_left, supervise
+from eagle_fast.supervision import shift_left, sparse_target_p, supervise
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -97,13 +104,30 @@ class Engine:
             runner.close()
 
 
+@dataclass(frozen=True)
+class TargetSpec:
+    """What target_probs holds: the draft softmax ("draft"), or the sparse draft target's
+    rebuild ("draft-topk": the `k` most likely draft ids, or with `keep_mass` per token the
+    fewest of them holding that mass, and the rest of the mass per `tail` mode)."""
+
+    kind: str = "draft"
+    k: int = 0
+    keep_mass: float | None = None
+    tail: str = "spread"
+
+    @property
+    def head_outputs(self) -> tuple[str, ...]:
+        return ("draft_topk",) if self.kind == "draft-topk" else ("draft",)
+
+
 class StreamedFields:
     """`supervise` destination: each request's NeMo fields, in its shifted frame, sent as they
     are computed (`ResponseStream`): target_probs row pieces go out group by group, in body
     order; position_mask fills here and goes out at the end (`finish`).
 
     For request i, row b, unshifted position t (1 <= t < n_b) the head's results land at t - 1:
-    target_probs[b, t-1] = exp(draft_logprobs[t]) (client's column order, `probs_dtype`),
+    target_probs[b, t-1] = exp(draft_logprobs[t]) (client's column order, `probs_dtype`; with
+    `target` draft-topk: row t of `sparse_target_p` instead),
     position_mask[b, t-1] = selected_mask[argmax[t]] & loss_mask[b, t]. Slots from n_b - 1 on
     are zero / False: no token follows them in the row.
     """
@@ -113,7 +137,8 @@ class StreamedFields:
     staging_bytes = STREAM_GROUP_BYTES
 
     def __init__(self, requests: list[GenerateRequest], streams: list[ResponseStream], mapping: VocabMapping,
-                 probs_dtype: torch.dtype, vocab_size: int):
+                 probs_dtype: torch.dtype, vocab_size: int, target: TargetSpec = TargetSpec()):
+        self.target = target
         self.where = [(i, b) for i, r in enumerate(requests) for b in range(len(r.rows))]
         self.requests, self.streams = requests, streams
         self.mapping, self.probs_dtype = mapping, probs_dtype
@@ -128,7 +153,12 @@ class StreamedFields:
     def put(self, pieces: list[tuple[int, int, int]], values: dict[str, torch.Tensor]) -> None:
         # popped: once the columns are picked, the head's own [n, Vd] buffer is freed here, not
         # when the caller drops the group's values
-        probs = values.pop("draft_logprobs").float().exp_()
+        if self.target.kind == "draft-topk":
+            probs = sparse_target_p(values.pop("draft_topk_ids"), values.pop("draft_topk_logprobs"),
+                                    values.pop("draft_topk_tail"), self.mapping.draft_ids.numel(),
+                                    self.target.keep_mass, self.target.tail)
+        else:
+            probs = values.pop("draft_logprobs").float().exp_()
         if self.mapping.columns is not None:
             probs = probs.index_select(1, self.mapping.columns.to(probs.device))
         probs = probs.to(device="cpu", dtype=self.probs_dtype)
@@ -150,7 +180,8 @@ class StreamedFields:
 
 
 def supervise_requests(runner: RunnerBase, requests: list[GenerateRequest], streams: list[ResponseStream],
-                       probs_dtype: torch.dtype, begun: Callable[[int], None]) -> None:
+                       probs_dtype: torch.dtype, begun: Callable[[int], None],
+                       target: TargetSpec = TargetSpec()) -> None:
     """One engine call and one head pass for all `requests` (one mapping), each answered on its
     stream with the keys, shapes, dtypes and shifts of NeMo's `compute_supervision`.
 
@@ -171,8 +202,9 @@ def supervise_requests(runner: RunnerBase, requests: list[GenerateRequest], stre
         del aux
     finals: list[torch.Tensor | None] = [f for _, f in captures]
     del captures
-    into = StreamedFields(requests, streams, mapping, probs_dtype, runner.head.vocab_size)
-    supervise(runner.head, finals, ("draft",), into, draft_ids=mapping.draft_ids, out_dtype=probs_dtype)
+    into = StreamedFields(requests, streams, mapping, probs_dtype, runner.head.vocab_size, target)
+    supervise(runner.head, finals, target.head_outputs, into, draft_ids=mapping.draft_ids, k=target.k,
+              out_dtype=probs_dtype)
     for r, stream, pmask in zip(requests, streams, into.position_mask):
         stream.finish({"position_mask": pmask, "input_ids": shift_left(r.input_ids),
                        "loss_mask": shift_left(r.loss_mask)})
@@ -193,8 +225,10 @@ class Batcher:
     the seconds spent in engine calls (busy time / wall time = the engine's utilisation).
     """
 
-    def __init__(self, engine: Engine, probs_dtype: torch.dtype, max_batch_tokens: int):
+    def __init__(self, engine: Engine, probs_dtype: torch.dtype, max_batch_tokens: int,
+                 target: TargetSpec = TargetSpec()):
         self.engine = engine
+        self.target = target
         self.probs_dtype = probs_dtype
         self.max_batch_tokens = max_batch_tokens
         self._queue: queue.Queue = queue.Queue()
@@ -280,7 +314,7 @@ class Batcher:
             else:
                 t0 = time.perf_counter()
                 supervise_requests(runner, [j.request for j in live], [j.stream for j in live],
-                                   self.probs_dtype, lambda i: live[i].future.set_result(None))
+                                   self.probs_dtype, lambda i: live[i].future.set_result(None), self.target)
                 self.stats["engine_seconds"] += time.perf_counter() - t0
                 self.stats["engine_calls"] += 1
                 self.stats["requests"] += len(live)
