@@ -242,7 +242,9 @@ def supports(variant: Variant, weight: torch.Tensor) -> bool:
     """Whether the persistent kernel computes `variant` for this weight (else: tiled kernel)."""
     modes_ok = not (variant.logits or variant.logprobs or variant.topk or variant.draft_topk)
     H = weight.shape[1]
+    # TMA: a 16-byte aligned base and row stride (y, written by the norm prologue, follows)
     tma_ok = weight.element_size() == 2 and (H * 2) % 16 == 0 and (weight.stride(0) * 2) % 16 == 0
+    tma_ok = tma_ok and weight.data_ptr() % 16 == 0
     return TensorDescriptor is not None and modes_ok and tma_ok and not variant.tile_list
 
 

@@ -162,6 +162,23 @@ def test_row_chunks_and_the_cached_walk_weight(monkeypatch):
     assert_ids_equal(flipped.argmax, oracle.argmax, name="argmax after the in-place change")
 
 
+def test_fp16_weights_and_an_unaligned_weight(monkeypatch):
+    """fp16 weights run persistent; a weight view whose rows start off a 16-byte boundary
+    cannot be a TMA descriptor's base and runs the tiled kernel, with the same result."""
+    hidden, weight, _ = _inputs(11, 24, 64, 1031)
+    weight = weight.half()
+    with persistent(monkeypatch) as launched:
+        got = lm_head(hidden.half(), weight, None, norm="none", impl="triton")
+        oracle = lm_head_oracle(hidden.half(), weight, None, norm="none")
+        assert launched == ["lm_head_persistent_kernel"]
+        assert_ids_equal(got.argmax, oracle.argmax, name="argmax")
+        assert_close(got.lse, oracle.lse, atol=1e-4, rtol=1e-5, name="lse")
+        shifted = torch.empty(1031 * 64 + 1, dtype=torch.half)[1:].view(1031, 64).copy_(weight)
+        again = lm_head(hidden.half(), shifted, None, norm="none", impl="triton")
+        assert launched == ["lm_head_persistent_kernel"]  # the tiled kernel ran
+    assert_ids_equal(again.argmax, got.argmax, name="argmax")
+
+
 @pytest.mark.parametrize(
     "kw",
     [{"outputs": ("topk",), "k": 4}, {"outputs": ("logits",)}, {"outputs": ("draft_topk",), "k": 4}],
