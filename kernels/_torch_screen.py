@@ -84,6 +84,7 @@ MAX_HIDDEN = 8192
 # Below this many rows the screen's per-chunk costs (column norms, small calls) outweigh the
 # GEMM time it saves (`python bench/bench_floors.py` has the shapes where it pays).
 MIN_ROWS = 128
+SCREEN_WCHUNK_BYTES = 4 << 20  # the screen's gathered bf16 weight chunk, at most
 _U = 2.0**-24  # fp32 unit roundoff
 _BF16_REL = 2.0**-7 * 1.02  # faithful rounding to bf16, 2 % over for evaluating the bound in fp32
 _NORM_REL = 2.0**-9  # over-estimate of an fp32 norm: its relative error is below (H + 2) u <= 2^-11
@@ -185,12 +186,18 @@ def screen_rest(weight, y, order, start: int, chunk: int, row_block: int, run_ma
     low = run_max.clone()  # certified lower bound on each row's exact maximum
     found = []  # per tile: (rows, order positions, float64 values d, their distance e)
     rows_per_tile = min(2 * row_block, N)  # bf16: the exact walk's tile bytes, half the calls
-    z_buf = torch.empty(rows_per_tile * chunk, dtype=torch.bfloat16)
-    w_buf = torch.empty(chunk * H, dtype=torch.bfloat16)
+    # The screen's own chunk: as wide as keeps its bf16 tile within the exact walk's tile bytes
+    # (row_block x chunk fp32) and its gathered weight chunk within SCREEN_WCHUNK_BYTES, so few
+    # rows (supervision's groups) make few, wide tiles rather than many small calls. Exact
+    # tiles (`_resolve`) keep the walk's own chunk.
+    widest = min(2 * row_block * chunk // rows_per_tile, SCREEN_WCHUNK_BYTES // (2 * H))
+    step = max(chunk, widest // 256 * 256)
+    z_buf = torch.empty(rows_per_tile * step, dtype=torch.bfloat16)
+    w_buf = torch.empty(step * H, dtype=torch.bfloat16)
     y_norm_max = float(y_norm.max())
     norms = weight_norms(weight)
-    for p0 in range(start, V, chunk):
-        p1 = min(p0 + chunk, V)
+    for p0 in range(start, V, step):
+        p1 = min(p0 + step, V)
         c = p1 - p0
         with phase("upcast"):
             w_chunk = w_buf[: c * H].view(c, H)
