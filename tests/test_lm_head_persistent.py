@@ -16,6 +16,8 @@ import importlib
 import io
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -195,10 +197,20 @@ def test_modes_it_does_not_cover_run_the_tiled_kernel(monkeypatch, kw):
     assert_ids_equal(got.argmax, oracle.argmax, name="argmax")
 
 
-def test_variant_switch_is_read_at_import():
-    cfgs = importlib.import_module("eagle_fast.kernels._triton_config")
-    assert cfgs.KERNEL == os.environ.get("EAGLE_FAST_TRITON_VARIANT", "tiled")
-    assert lm.lm_head_triton.__defaults__ == (cfgs.KERNEL,)
+@pytest.mark.parametrize("value", ["persistent", "tiled", "fused"])
+def test_variant_switch_is_read_at_import(value):
+    """EAGLE_FAST_TRITON_VARIANT picks the launcher's default kernel once, at import; an
+    unknown value fails the import, naming the choices."""
+    code = ("from eagle_fast.kernels import lm_head_triton as m, _triton_config as c; "
+            "print(c.KERNEL, m.lm_head_triton.__defaults__[0])")  # fmt: skip
+    env = {**os.environ, "EAGLE_FAST_TRITON_VARIANT": value}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=False)  # fmt: skip
+    if value == "fused":
+        assert res.returncode != 0 and "expected one of ('tiled', 'persistent')" in res.stderr
+    else:
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.split() == [value, value]
 
 
 # --------------------------------------------------------------------- sm_90, ahead of time
