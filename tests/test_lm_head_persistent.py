@@ -70,9 +70,10 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("N, V", [(40, 1500), (80, 3001)], ids=["N40-V1500", "N80-V3001"])
+@pytest.mark.parametrize("N, V", [(40, 1500), (64, 2100), (80, 3001)], ids=lambda x: str(x))
 def test_persistent_matches_tiled_kernel_and_oracle(monkeypatch, mode, N, V):
-    """N=40: 3 row blocks of 16 (a full group of 2 and a short one); N=80: 2 blocks of 64.
+    """N=40: 3 row blocks of 16 (a full group of 2 and a short one); N=64: 4 blocks, two full
+    groups; N=80: 2 blocks of 64.
     V ragged against 256-wide tiles; the draft ids (every 3rd from 5) fill 2-4 draft tiles,
     the last of them mixed with other ids."""
     H = 64
