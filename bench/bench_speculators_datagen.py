@@ -241,7 +241,7 @@ def verdicts(results: dict) -> H.Verdicts:
     v.check("datagen: hidden-state bytes equal to extract --format speculators (their server with our engine "
             "settings, --enforce-eager)", cmp_["bytes_equal"] == cmp_["samples"],
             f"{cmp_['bytes_equal']}/{cmp_['samples']} samples equal, token_ids {cmp_['token_ids_equal']}, "
-            f"max |diff| {cmp_['max_abs_diff']:.3g}; with vLLM's default compiled graph "
+            f"max abs diff {cmp_['max_abs_diff']:.3g}; with vLLM's default compiled graph "
             f"{results['theirs']['comparison']['bytes_equal']}/{cmp_['samples']}")
     ours = results["ours"]["tokens_per_s"]
     for name in ("theirs", "theirs_eager"):

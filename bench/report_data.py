@@ -99,7 +99,7 @@ def datagen_section(d: dict) -> list[str]:
             f"({', '.join(st['connector'].get('raised_in') or [])}) and the engine dies. With eagle_fast's CPU-safe "
             f"connector subclass their generator writes {c['samples'] - len(c['missing'])}/{c['samples']} samples; "
             f"with our engine settings (--enforce-eager) their hidden-state bytes equal ours in {c['bytes_equal']}/"
-             f"{c['samples']} (max |diff| {c['max_abs_diff']:.3g})."),
+             f"{c['samples']} (max abs diff {c['max_abs_diff']:.3g})."),
             ""]
     rows = [["eagle-fast extract --format speculators (enforce_eager)", f"{ours['tokens_per_s']:,.0f}", "-",
              f"{ours['build_s']:.0f} s"]]
