@@ -4,8 +4,9 @@ datasets, and judge them by NeMo AutoModel's simulated accept length.
 What it does
     speculators  `extract --format speculators` read by its ArrowDataset (hs_connectors' FP8Transfer
                  for --aux-dtype fp8), packed by its CollateFn with shift_batch; its
-                 Eagle3DraftModel.from_training_args (eager attention, the verifier's embeddings and
-                 its own lm_head init), its own loss (kl_div, eager) inside its forward; the
+                 Eagle3DraftModel.from_training_args (eager attention; the verifier's embeddings, and
+                 its lm_head is the verifier's head rows for the draft vocabulary, frozen: its
+                 load_verifier_weights), its own loss (kl_div, eager) inside its forward; the
                  optimizer and scheduler built by its Trainer.setup_optimizer; the step is its
                  Trainer.train_epoch's (forward, backward, clip 1.0, optimizer step, scheduler step).
     SpecForge    `extract --format specforge` read by its offline reader, normaliser, collator and

@@ -75,6 +75,9 @@ TRAINER_SOURCES = {
     "speculators-trained": ("speculators", {"dtype": "bf16", "layout": "speculators"}),
     "specforge-trained": ("specforge", {"dtype": "bf16", "layout": "specforge"}),
     "speculators-trained-fp8": ("speculators-fp8", {"dtype": "bf16", "layout": "speculators", "aux_dtype": "fp8"}),
+    # controls: the same trainers on fp32 data (the reference's numbers), to tell their recipe from our data
+    "speculators-trained-fp32": ("speculators", {"dtype": "fp32", "layout": "speculators"}),
+    "specforge-trained-fp32": ("specforge", {"dtype": "fp32", "layout": "specforge"}),
 }
 TRAINERS_SETUP = {
     "speculators": "speculators 0.9.0 Eagle3DraftModel (1 layer, eager attention), its kl_div eager loss (TTT weight "
@@ -82,7 +85,7 @@ TRAINERS_SETUP = {
     "specforge": "SpecForge 0.2.0 LlamaForCausalLMEagle3 (1 layer, sdpa) in OnlineEagle3Model, TrainerCore.train_step "
                  "around Eagle3TrainStrategy.forward_loss (its reference KL loss on CPU), BF16Optimizer (max grad norm 1.0)",
     "not_matched": "AdamW betas (0.9, 0.999) in both, not NeMo's (0.9, 0.95); both cosines decay to 0, not lr / 10; "
-                   "their own TTT loss weights",
+                   "their own TTT loss weights; speculators' lm_head is the target's rows, frozen",
     "measure": "each draft's own TTT forward over the held-out reference samples, counted as NeMo's "
                "Eagle3TrainerModule counts (accept_trainers.prefix_counts), then simulated_accept_length",
 }
