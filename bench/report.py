@@ -3,7 +3,7 @@
 What it does
     Reads every results file the benchmarks wrote (lm_head-cpu.json, lm_head-cuda.json,
     runner-cpu.json, pipeline-cpu.json, cpu_ops-cpu.json, serve-cpu.json, ray-cpu.json,
-    host_path-cpu.json, storage-cpu.json, accept-cpu.json; whichever exist) and writes
+    host_path-cpu.json, storage-cpu.json, accept-cpu.json, keep_mass-cpu.json; whichever exist) and writes
     (bench_accept draws its own accept-cpu.png):
       - bench/RESULTS.md: bench/SUMMARY.md verbatim (hand-curated rows across machines), the
         static sm_90 section (results/lm_head_static-sm90.md: bench_lm_head_static.py's table
@@ -18,7 +18,7 @@ Design
     printed is between numbers from the same file, i.e. the same run. This file orders the
     page; the sections live by subject: report_head.py (head op, floor, plot, CPU building
     blocks), report_system.py (runner, pipeline, serve, Ray), report_data.py (storage,
-    acceptance), all made of report_text.py's pieces. bench_host_path.py renders its own
+    acceptance), report_keep_mass.py (keep-mass fidelity), all made of report_text.py's pieces. bench_host_path.py renders its own
     section into its JSON (its projection's constants live there).
 
 Limits
@@ -37,6 +37,7 @@ from pathlib import Path
 
 from report_data import accept_section, datagen_section, storage_section
 from report_head import cpu_ops_section, lm_head_section, plot_lm_head
+from report_keep_mass import section as keep_mass_section
 from report_system import pipeline_section, ray_section, runner_section, serve_section
 
 HERE = Path(__file__).resolve().parent
@@ -97,6 +98,8 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
         out += accept_section(json.loads(files["accept_trainers-cpu"].read_text()))
     if "speculators_datagen-cpu" in files:
         out += datagen_section(json.loads(files["speculators_datagen-cpu"].read_text()))
+    if "keep_mass-cpu" in files:
+        out += keep_mass_section(json.loads(files["keep_mass-cpu"].read_text()))
     text = "\n".join(out).rstrip() + "\n"
     page.write_text(text)
     return text
