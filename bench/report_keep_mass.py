@@ -48,7 +48,7 @@ def section(d: dict) -> list[str]:
              f"(H 4,096, draft vocabulary 32,000; a ragged k at its mean stored k here). KL(true || rebuilt) in nats "
              f"on the supervised positions, mean / p99, per tail mode (drop: the generalised KL; renormalize: "
              f"KL(rebuilt || true)). Accept length: NeMo's `simulated_accept_length` on the held-out split of a "
-             f"draft trained {s.get('steps', '-')} steps on each, mean over seeds {s.get('seeds', '-')}, its loss "
+             f"draft trained {s.get('steps', '-')} steps on each, mean over the variant's seeds, its loss "
              f"against dense bf16 paired by seed.")
     out = section_head("Keep-mass: a stated share of the draft mass on every token", d, intro)
     if d.get("partial"):
@@ -56,7 +56,8 @@ def section(d: dict) -> list[str]:
     for name, rec in d.get("variants", {}).items():
         out += [(f"**{name}** (T = {rec['temperature']}): per-token entropy mean {rec['entropy_mean']:.2f} nats "
                  f"(p10 / p50 / p90 {rec['entropy_p10']:.2f} / {rec['entropy_p50']:.2f} / {rec['entropy_p90']:.2f}), "
-                 f"top-64 draft mass {rec['draft_top64_mass_mean']:.3f}, top-1 {rec['top1_mass_mean']:.3f}."), ""]
+                 f"top-64 draft mass {rec['draft_top64_mass_mean']:.3f}, top-1 {rec['top1_mass_mean']:.3f}; "
+                 f"drafts: {len(rec['settings']['dense-bf16'].get('runs', []))} seed(s) per setting."), ""]
         out += table(["setting", "bytes/token (Qwen3-8B)", "mean k", "at the cap",
                       *[f"KL {m} mean / p99" for m in MODES], "accept length", "vs dense bf16"], _variant_rows(rec))
     return out
