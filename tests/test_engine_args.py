@@ -200,16 +200,17 @@ def _runner_on(cuda: bool, user_kwargs: dict):
     r = VLLMTargetRunner.__new__(VLLMTargetRunner)
     r.model_path, r.dtype, r.tp_size, r.trust_remote_code = "/m", torch.bfloat16, 4, False
     r._storage, r.max_model_len, r._on_cpu, r._user_kwargs = "/dev/shm/x", 301, not cuda, dict(user_kwargs)
+    r._worker_head = None  # no head in the worker (set_worker_supervision not called)
     return r
 
 
 def test_cuda_engine_kwargs_pin_the_path_and_let_the_user_choose():
-    kw = _runner_on(True, {})._engine_kwargs([1, 2, 4])
+    kw = _runner_on(True, {})._engine_kwargs([1, 2, 4], [0, 1], 2)
     assert kw["async_scheduling"] is False and kw["enable_chunked_prefill"] is True
     assert kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == 0.5  # the defaults
     assert kw["tensor_parallel_size"] == 4 and "kv_cache_memory_bytes" not in kw
     kw = _runner_on(True, {"enforce_eager": False, "gpu_memory_utilization": 0.9,
-                           "quantization": "fp8"})._engine_kwargs([1, 2, 4])
+                           "quantization": "fp8"})._engine_kwargs([1, 2, 4], [0, 1], 2)
     assert (kw["enforce_eager"], kw["gpu_memory_utilization"], kw["quantization"]) == (False, 0.9, "fp8")
     assert set(compat.ENGINE_PATH_KWARGS) <= set(compat.OWNED_KWARGS)
 
