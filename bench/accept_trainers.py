@@ -51,8 +51,6 @@ from unittest import mock
 import accept as A
 import torch
 
-from eagle_fast.store.specforge import with_index_json
-
 # ------------------------------------------------------------------------------- measure
 
 
@@ -237,6 +235,24 @@ def specforge_on_cpu():
     with mock.patch.object(eagle3_model, "LogSoftmaxLoss", SimpleNamespace(apply=_compute_loss)), \
             mock.patch.object(torch._dynamo.config, "disable", True):
         yield
+
+
+def with_index_json(model: Path, out: Path) -> Path:
+    """`model` linked file by file into `out`, plus the *.index.json SpecForge's TargetHead needs."""
+    import json
+
+    from safetensors import safe_open
+
+    out.mkdir(parents=True, exist_ok=True)
+    for p in model.iterdir():
+        if not p.name.startswith(".") and not (out / p.name).exists():
+            (out / p.name).symlink_to(p.resolve())
+    weight_map = {}
+    for f in sorted(model.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            weight_map.update(dict.fromkeys(h.keys(), f.name))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
 
 
 def specforge_draft(target_dir: Path, vocab_mapping: Path, draft_size: int, seed: int):

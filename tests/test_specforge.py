@@ -20,10 +20,9 @@ import pytest
 import torch
 from _assert import assert_close, assert_ids_equal
 from _pipeline import chat_lines, run_main, tree_digest, write_jsonl
-from _trainers import DRAFT_SIZE, V, draft_vocab, extract_cli, nemo_target_probs
+from _trainers import DRAFT_SIZE, V, draft_vocab, extract_cli, nemo_target_probs, with_index_json
 
 from eagle_fast.inputs import load_tokenizer, plan_inputs
-from eagle_fast.store.specforge import with_index_json
 
 pytest.importorskip("specforge", reason="specforge==0.2.0 is in requirements/cpu.lock")
 

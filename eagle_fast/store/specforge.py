@@ -92,29 +92,3 @@ def write_vocab_mapping(root: Path, d2t: torch.Tensor, t2d: torch.Tensor, tag: s
     path = save_torch(root / VOCAB_MAPPING, {"d2t": d2t.to(torch.int64).clone(),
                                              "t2d": t2d.to(torch.bool).clone()}, tag)
     return file_record(path, root)
-
-
-def with_index_json(model: Path, out: Path) -> Path:
-    """A view of checkpoint `model` that SpecForge's `TargetHead` can load: `out` holds a
-    symlink to each of its files plus the `model.safetensors.index.json` that `TargetHead`
-    requires to find `lm_head.weight` (a single-file checkpoint ships none), every tensor name
-    mapped to the file that holds it. Point `target_model_path` at `out`. Returns `out`."""
-    import json
-
-    from safetensors import safe_open
-
-    model, out = Path(model), Path(out)
-    files = sorted(model.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model}: no *.safetensors files; SpecForge's TargetHead reads safetensors only")
-    out.mkdir(parents=True, exist_ok=True)
-    for p in model.iterdir():
-        if not p.name.startswith(".") and not (out / p.name).exists():
-            (out / p.name).symlink_to(p.resolve())
-    weight_map = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            weight_map.update(dict.fromkeys(h.keys(), f.name))
-    index = json.dumps({"metadata": {}, "weight_map": weight_map}).encode()
-    atomic_write_bytes(out / "model.safetensors.index.json", index)
-    return out
