@@ -51,6 +51,8 @@ from unittest import mock
 import accept as A
 import torch
 
+from eagle_fast.checkpoint import indexed_view
+
 # ------------------------------------------------------------------------------- measure
 
 
@@ -237,24 +239,6 @@ def specforge_on_cpu():
         yield
 
 
-def with_index_json(model: Path, out: Path) -> Path:
-    """`model` linked file by file into `out`, plus the *.index.json SpecForge's TargetHead needs."""
-    import json
-
-    from safetensors import safe_open
-
-    out.mkdir(parents=True, exist_ok=True)
-    for p in model.iterdir():
-        if not p.name.startswith(".") and not (out / p.name).exists():
-            (out / p.name).symlink_to(p.resolve())
-    weight_map = {}
-    for f in sorted(model.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as h:
-            weight_map.update(dict.fromkeys(h.keys(), f.name))
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return out
-
-
 def specforge_draft(target_dir: Path, vocab_mapping: Path, draft_size: int, seed: int):
     """SpecForge's LlamaForCausalLMEagle3 at the target's widths, its embeddings, frozen."""
     from specforge.modeling.auto import AutoDraftModel
@@ -315,7 +299,7 @@ def train_specforge(model_dir: Path, data_dir: Path, work: Path, draft_size: int
     max_len = 1 << 20
     refs = build_offline_reader(str(data_dir), run_id="accept", ttt_length=t.ttt_steps, max_len=max_len).read()
     by_index = {int(Path(r.feature_store_uri).stem.split("_")[-1]): r for r in refs}  # data_{i}.ckpt
-    target_dir = with_index_json(Path(model_dir), work / "specforge-target")
+    target_dir = indexed_view(Path(model_dir), work / "specforge-target")
     draft = specforge_draft(target_dir, data_dir / "vocab_mapping.pt", draft_size, t.seed)
     model = eagle3_model.OnlineEagle3Model(draft, length=t.ttt_steps, attention_backend="sdpa")
     core = TrainerCore(Eagle3TrainStrategy(model, target_head=specforge_head(target_dir)),

@@ -142,3 +142,34 @@ def resolve_dtype_name(model: str, dtype: str) -> str:
         return short_name(parse_dtype(name))
     except ValueError:
         return "bf16"
+
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def weight_files(model_path: Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file holding it (headers only, no data)."""
+    index = model_path / INDEX_NAME
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_path / fname for name, fname in weight_map.items()}
+    files = sorted(model_path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"TargetHead: no {INDEX_NAME} and no *.safetensors in {model_path}")
+    return {name: f for f in files for name in read_safetensors_header(f)[0] if name != "__metadata__"}
+
+
+def indexed_view(model_path: str | Path, out: str | Path) -> Path:
+    """`out`: symlinks to the checkpoint's files plus a `model.safetensors.index.json` mapping
+    every tensor to its file (`weight_files`), for loaders that read a checkpoint only through
+    its index (SpecForge's `TargetHead`; a single-file checkpoint ships none). Returns `out`."""
+    model_path, out = Path(model_path), Path(out)
+    weight_map = {name: f.name for name, f in weight_files(model_path).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    for p in model_path.iterdir():
+        if not p.name.startswith(".") and not (out / p.name).exists():
+            (out / p.name).symlink_to(p.resolve())
+    index = out / INDEX_NAME
+    if not index.exists():  # a linked index already maps every tensor
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out

@@ -21,7 +21,6 @@ bias, e.g. Cohere or GPT-2, is rejected); no tensor-parallel sharding of the hea
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from eagle_fast.checkpoint import weight_files
 from eagle_fast.errors import UserError
 from eagle_fast.kernels import lm_head, lm_head_logits
 from eagle_fast.kernels.lm_head_torch import normalize
@@ -173,31 +173,11 @@ def _tied_flag(config: Any) -> bool | None:
     return None
 
 
-def _weight_files(model_path: Path) -> dict[str, Path]:
-    """Map every tensor name to the safetensors file holding it (headers only, no data)."""
-    index = model_path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_path / fname for name, fname in weight_map.items()}
-    files = sorted(model_path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"TargetHead: no model.safetensors.index.json and no *.safetensors in {model_path}"
-        )
-
-    out: dict[str, Path] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                out[name] = f
-    return out
-
-
 def read_input_embedding(model_path: str | Path) -> torch.Tensor:
     """The checkpoint's input embedding `[V, H]` in its stored dtype, on CPU (the decoder's
     `embed_tokens.weight`, chosen as `TargetHead` chooses it), without building a head."""
     model_path = Path(model_path)
-    files = _weight_files(model_path)
+    files = weight_files(model_path)
     embed, _, _ = _resolve_names(files, True, model_path)
     return _load_tensors(files, {embed}, dtype=None, device="cpu")[embed]
 
@@ -311,7 +291,7 @@ class TargetHead:
                 str(model_path), trust_remote_code=trust_remote_code
             )
         spec = head_spec_from_config(config, overrides)
-        files = _weight_files(model_path)
+        files = weight_files(model_path)
         tied_cfg = _tied_flag(config)
         embed_name, norm_name, head_name = _resolve_names(files, tied_cfg, model_path)
         tied = head_name == embed_name

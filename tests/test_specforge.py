@@ -20,8 +20,9 @@ import pytest
 import torch
 from _assert import assert_close, assert_ids_equal
 from _pipeline import chat_lines, run_main, tree_digest, write_jsonl
-from _trainers import DRAFT_SIZE, V, draft_vocab, extract_cli, nemo_target_probs, with_index_json
+from _trainers import DRAFT_SIZE, V, draft_vocab, extract_cli, nemo_target_probs
 
+from eagle_fast.checkpoint import indexed_view
 from eagle_fast.inputs import load_tokenizer, plan_inputs
 
 pytest.importorskip("specforge", reason="specforge==0.2.0 is in requirements/cpu.lock")
@@ -137,7 +138,7 @@ def test_specforge_reads_trains_and_targets_equal_nemos(sf, tiny_llama, tmp_path
                         lambda **kw: targets.append(compute_target_p(**kw)) or targets[-1])
 
     # TargetHead needs *.index.json; fp32 weights, as the target (its from_pretrained casts to bf16)
-    target_dir = with_index_json(tiny_llama, tmp_path / "target")
+    target_dir = indexed_view(tiny_llama, tmp_path / "target")
     head = TargetHead(str(target_dir))
     head.load_weights(str(target_dir))
     head.freeze_weights()
@@ -193,7 +194,7 @@ def test_tied_target_needs_lm_head_key(tiny_qwen3, tmp_path):
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(2))
     extract_cli("--model", tiny_qwen3, "--data", data, "--out", tmp_path / "sf", "--dtype", "fp32", "--max-len", 32,
                 "--format", "specforge")
-    target_dir = with_index_json(tiny_qwen3, tmp_path / "target")
+    target_dir = indexed_view(tiny_qwen3, tmp_path / "target")
     head = TargetHead(str(target_dir))
     with pytest.raises(KeyError, match="lm_head.weight"):  # SpecForge's default key: no such tensor when tied
         head.load_weights(str(target_dir))
