@@ -24,6 +24,7 @@ import torch
 from _assert import assert_close, assert_ids_equal
 from _oracle import lm_head_oracle
 from eagle_fast.kernels import lm_head
+from test_lm_head_triton_internal import _int_logit_inputs
 from triton.runtime.jit import JITFunction
 
 kernels = importlib.import_module("eagle_fast.kernels")
@@ -99,18 +100,6 @@ def test_persistent_matches_tiled_kernel_and_oracle(monkeypatch, mode, N, V):
         tol = 1e-4 if got.draft_logprobs.dtype == torch.float32 else 2e-2
         assert_close(got.draft_logprobs, oracle.draft_logprobs, atol=tol, rtol=tol, name="draft_lp")
         assert_ids_equal(got.argmax_in_draft, oracle.argmax_in_draft, name="argmax_in_draft")
-
-
-def _int_logit_inputs(logits: torch.Tensor):
-    """One-hot hidden rows and a weight whose column j holds row j's logits: small integers,
-    exact in bf16 and in every summation order."""
-    N, V = logits.shape
-    H = max(16, N)
-    hidden = torch.zeros(N, H)
-    hidden[torch.arange(N), torch.arange(N)] = 1.0
-    weight = torch.zeros(V, H)
-    weight[:, :N] = logits.t()
-    return hidden.bfloat16(), weight.bfloat16()
 
 
 @pytest.mark.parametrize("outputs", [("draft", "argmax"), ("draft", "lse")], ids="+".join)
