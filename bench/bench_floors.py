@@ -55,9 +55,9 @@ GEMMS = ("gemm-bf16out", "gemm-fp32out", "gemm-fp32")
 GOALS = {"AMX": 1.5, "AVX512-BF16": 1.3}
 
 
-def _head(hidden, weight, norm_weight, draft_ids, screen: str):
+def _head(hidden, weight, norm_weight, draft_ids, screen: bool):
     def call():
-        with switched(screen == "1"):
+        with switched(screen):
             return lm_head(hidden, weight, norm_weight, outputs=("draft", "argmax"),
                            draft_ids=draft_ids, impl="torch")
     return call
@@ -106,8 +106,8 @@ def measure_shape(shape, rounds: int) -> dict:
             gemm_bf16_f32(y, w_draft, out_draft)
             return torch.mm(y, w_rest.t(), out=out_rest)
         providers["two-gemms"] = two_gemms
-    providers["head"] = _head(hidden, weight, norm_weight, draft_ids, "1")
-    providers["head-exact"] = _head(hidden, weight, norm_weight, draft_ids, "0")
+    providers["head"] = _head(hidden, weight, norm_weight, draft_ids, True)
+    providers["head-exact"] = _head(hidden, weight, norm_weight, draft_ids, False)
     once = () if bf16_gemm_is_native() else ("gemm-bf16out",)
     sbs = H.SideBySide(providers, "cpu", once=once)
     sbs.warmup()
@@ -146,9 +146,9 @@ def trained_tiny_counts() -> dict:
     hidden = captured[0].reshape(-1, spec.hidden_size)
     weight, norm_weight = model.lm_head.weight.detach(), model.model.norm.weight.detach()
     draft_ids = torch.arange(0, spec.vocab_size, 4)  # a quarter of the vocabulary
-    screened = _head(hidden, weight, norm_weight, draft_ids, "1")
+    screened = _head(hidden, weight, norm_weight, draft_ids, True)
     counts, a = _screened_counts(screened, hidden.shape[0], spec.vocab_size - draft_ids.numel())
-    b = _head(hidden, weight, norm_weight, draft_ids, "0")()
+    b = _head(hidden, weight, norm_weight, draft_ids, False)()
     counts.update(N=hidden.shape[0], V=spec.vocab_size, draft=draft_ids.numel(), same_bytes=_same(a, b),
                   argmax_in_draft=float(b.argmax_in_draft.float().mean()))
     return counts
