@@ -101,7 +101,9 @@ def datagen_section(d: dict) -> list[str]:
             f"with our engine settings (--enforce-eager) their hidden-state bytes equal ours in {c['bytes_equal']}/"
              f"{c['samples']} (max abs diff {c['max_abs_diff']:.3g})."),
             ""]
-    rows = [["eagle-fast extract --format speculators (enforce_eager)", f"{ours['tokens_per_s']:,.0f}", "-",
+    runs = " / ".join(f"{x:,.0f}" for x in ours.get("tokens_per_s_runs", []))
+    rows = [["eagle-fast extract --format speculators (enforce_eager)",
+             f"{ours['tokens_per_s']:,.0f}" + (f" (median of {runs})" if runs else ""), "-",
              f"{ours['build_s']:.0f} s"]]
     for name, what in (("theirs", "their default server (compiled)"), ("theirs_eager", "--enforce-eager")):
         r = d.get(name) or {}
