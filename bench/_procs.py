@@ -28,6 +28,16 @@ def spawn(args: list[str], **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, *args], env={**os.environ, **OFFLINE_ENV}, **kw)
 
 
+def stop(proc: subprocess.Popen, wait: float = 60) -> None:
+    """Terminate `proc`, and kill it if it has not exited after `wait` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_up(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     """Return once `url`/health answers 200; raise if `proc` exits first or `timeout` passes."""
     import requests

@@ -271,7 +271,11 @@ def build_trainer(model_dir: str | Path, ids: torch.Tensor, mask: torch.Tensor, 
     return Eagle3TrainerModule(draft, selected_token_ids=ids, selected_token_mask=mask, ttt_steps=ttt_steps)
 
 
-def _lr_at(step: int, t: DraftTrain) -> float:
+ADAM_BETAS = (0.9, 0.95)  # train_draft's AdamW (NeMo's train_eagle3 recipe)
+
+
+def lr_at(step: int, t: DraftTrain) -> float:
+    """train_draft's learning rate at `step`: linear warm-up, then cosine decay to lr / 10."""
     if step < t.warmup:
         return t.lr * (step + 1) / t.warmup
     frac = (step - t.warmup) / max(t.steps - t.warmup, 1)
@@ -297,7 +301,7 @@ def train_draft(model_dir, ids, mask, embeddings, samples: list[dict], t: DraftT
     """Train one draft on `samples`; returns (trainer module, loss of every step)."""
     trainer = build_trainer(model_dir, ids, mask, embeddings, t.ttt_steps, t.seed)
     params = [p for p in trainer.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=t.lr, betas=ADAM_BETAS, weight_decay=0.0)
     gen = torch.Generator().manual_seed(t.seed)
     order: list[int] = []
     losses = []
@@ -309,7 +313,7 @@ def train_draft(model_dir, ids, mask, embeddings, samples: list[dict], t: DraftT
                 order += torch.randperm(len(samples), generator=gen).tolist()
             batch, order = order[: t.batch_size], order[t.batch_size:]
             for g in opt.param_groups:
-                g["lr"] = _lr_at(step, t)
+                g["lr"] = lr_at(step, t)
             metrics = trainer(**_step_inputs([samples[i] for i in batch]))
             opt.zero_grad(set_to_none=True)
             metrics.loss.backward()

