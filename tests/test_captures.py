@@ -212,7 +212,9 @@ def test_a_capture_dir_without_room_is_refused_up_front(vllm_llama, monkeypatch)
     need = vllm_llama.staged_bytes(seqs)
     assert need >= 6 * len(vllm_llama.capture_ids) * 128 * 4  # tokens x ids x H x fp32
     monkeypatch.setattr(vllm_module, "free_bytes", lambda path: need - 1)
-    with pytest.raises(UserError, match=r"MiB free, but this engine call writes .*--capture-dir"):
+    per_token = len(vllm_llama.capture_ids) * 128 * 4 + 8  # the aux slots and the int64 token id
+    with pytest.raises(UserError, match=rf"MiB free, but this engine call writes .*\(6 tokens x {per_token:,} "
+                                        r"bytes staged per token.*--capture-dir"):
         vllm_llama.capture(seqs)
     assert os.listdir(vllm_llama.storage_dir) == []
     monkeypatch.setattr(vllm_module, "free_bytes", lambda path: need)

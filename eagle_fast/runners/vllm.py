@@ -372,13 +372,11 @@ class VLLMTargetRunner(RunnerBase):
         need = self.staged_bytes(sequences)
         free = free_bytes(self._storage)
         if free < need:
+            per_token = self._staged_bytes_per_token(len(self._capture_ids))  # the worker's, with its head
             raise UserError(
                 f"the capture directory {self._storage} has {free / 2**20:,.1f} MiB free, but this "
-                f"engine call writes {need / 2**20:,.1f} MiB ({sum(len(s) for s in sequences):,} "
-                f"tokens x {len(self._capture_ids)} capture ids x H={self.hidden_size} x "
-                f"{self.dtype.itemsize} bytes)",
-                compat.STAGING_FIX,
-            )
+                f"engine call writes {need / 2**20:,.1f} MiB ({sum(len(s) for s in sequences):,} tokens x "
+                f"{per_token:,} bytes staged per token, and a header per file)", compat.STAGING_FIX)
 
     def _engine_call(self, sequences: list[list[int]], prompt_logprobs: int | None = None) -> list:
         self._check_room(sequences)
