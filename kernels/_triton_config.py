@@ -130,12 +130,20 @@ def persistent_config(variant: Variant, n_rows: int, V: int, H: int, interpret: 
     """Block sizes of `lm_head_persistent_kernel` (modes: lse / argmax / draft, 16-bit weights)."""
     if interpret:  # as `default_config`, with BLOCK_V=256: more tiles per lane under test
         return Config(16 if n_rows <= 64 else 64, 256, min(256, max(16, next_pow2(H))), 2, 4, 1)
-    # The tiled kernel's tiles (`default_config`): 128x256x64 on two warpgroups (wgmma
-    # m64n256k16), 3 stages, 144 KB of shared memory; draft with softcap 128x128 on 16 warps
-    # (784 B spilled at 128x256 with the running statistics). GROUP_SIZE=12: 132 SMs = 12 row
-    # blocks x 11 lanes, so a group's programs stream 11 consecutive weight tiles (22 MB) past
-    # 12 row blocks of y (12 MB at H=4096) in L2, and the weight is read from HBM N / 1536 times
-    # (5.3 at N=8192; 8 in the tiled kernel's groups of 8).
+    # GROUP_SIZE=12: 132 SMs = 12 row blocks x 11 lanes, so a group's programs stream 11
+    # consecutive weight tiles past 12 row blocks of y (12 MB at H=4096) in L2, and the weight
+    # is read from HBM N / 1536 times (5.3 at N=8192; 8 in the tiled kernel's groups of 8).
+    # argmax / lse: the tiled kernel's 128x256x64 on two warpgroups (wgmma m64n256k16, 128
+    # accumulator registers per thread), 3 stages, 144 KB: 0 B spilled. The draft epilogue
+    # (dense stores and an exp pass) and softcap's do not fit beside that accumulator in the
+    # persistent loop: every 128x256 variant tried spilled (16 warps, 2-4 stages, per-tile
+    # draft statistics, int32 draft offsets), except softcap on 2 stages, which leaves one
+    # TMA load in flight. They run 128x128 on the same two warpgroups (m64n128k16, 64
+    # accumulator registers), 4 stages = 128 KB: 0 B spilled (ptxas 13; triton 3.9 and 3.6),
+    # for ~0.5 more SASS per logit on non-draft tiles (row reductions over half the columns)
+    # and ~1/3 more operand bytes per flop from L2. bench/RESULTS.md has the measurements.
+    if variant.draft or variant.softcap:
+        return Config(128, 128, 64, 12, num_warps=8, num_stages=4)
     return replace(default_config(variant, n_rows, V, H, interpret), GROUP_SIZE=12)
 
 

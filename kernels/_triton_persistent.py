@@ -5,9 +5,11 @@ Row blocks go in groups of GROUP_SIZE; inside a group, program p owns row block 
 the vocabulary lane p // rows, i.e. the vocab tiles lane, lane + lanes, ... So the programs
 of a group stream consecutive weight tiles together (each weight tile is read from HBM once
 per group, like the tiled kernel's grouped order) while every program keeps its row block's
-max / argmax (lowest id on ties) / sum exp and the draft max / sum exp in registers across its
-tiles, storing them once per (row block, lane) into [rows, num_programs] partials that
-`_triton_merge` reduces as it reduces per-tile partials. Both GEMM operands arrive by TMA
+max / argmax (lowest id on ties) / sum exp in registers across its tiles, storing them once
+per (row block, lane) into [rows, num_programs] partials that `_triton_merge` reduces as it
+reduces per-tile partials. A draft tile stores its draft max / sum exp per (draft tile, row)
+instead, as the tiled kernel does: on a full draft tile they are the tile's own max and sum,
+and nothing more is carried. Both GEMM operands arrive by TMA
 through host tensor descriptors (zero-filled past N, V and H); the K loop is software-pipelined
 (num_stages). Flattening the tile loop into it, so that the next tile's loads fly during the
 epilogue as in triton's persistent matmul tutorial, is one switch (`FLATTEN`), off: see there.
@@ -17,6 +19,10 @@ ids). Pointer loads for the draft tiles alone would therefore not suffice, so th
 copied once in walk order (`walk_weight`: V*H*2 bytes, 1.2 GB at Qwen3-8B next to a 16 GB
 model), cached for the last (weight, draft ids) pair; the copy is one gather at HBM speed and
 every tile is then TMA-fed with no id lookup in the loads.
+Registers (`persistent_config`): argmax / lse run 128x256 tiles (128 accumulator registers
+per thread); the draft and softcap epilogues spilled beside that accumulator in every 128x256
+variant tried, so they run 128x128 (64), 0 B spilled for every mode, at ~0.5 more SASS per
+logit on the non-draft tiles (bench/RESULTS.md, the static report).
 Limits: modes lse / argmax / draft (with or without lse), optional scale and softcap, 16-bit
 weights whose rows are 16-byte multiples; everything else (logits, logprobs, top-k, draft
 top-k, fp32 weights) runs the tiled kernel (`supports`). No GPU has run it yet.
@@ -52,15 +58,10 @@ FLATTEN = False
 
 
 @triton.jit
-def _merge_running(m_run, s_run, m, x, SUM: tl.constexpr):
-    # Running (max, sum exp(l - max)) of a row block updated with a tile x [BLOCK_N, BLOCK_V]
-    # whose row max is m: the sum is rescaled to the new max (exp(-inf) = 0 on the first
-    # tile; an all -inf row keeps 0, not NaN).
-    m_new = tl.maximum(m_run, m)
-    if SUM:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(exp_shifted(x, m_safe), axis=1)
-    return m_new, s_run
+def _sum_exp(x, m):
+    # sum exp(x - m) of each row of x [BLOCK_N, BLOCK_V] at its max m (0, not NaN, for a row
+    # of -inf)
+    return tl.sum(exp_shifted(x, tl.where(m == float("-inf"), 0.0, m)), axis=1)
 
 
 @triton.jit
@@ -92,27 +93,54 @@ def _tile_argmax_walk(
 
 
 @triton.jit
+def _merge_running(m_run, s_run, m, x, SUM: tl.constexpr):
+    # Running (max, sum exp(l - max)) of a row block updated with a tile x [BLOCK_N, BLOCK_V]
+    # whose row max is m: the sum is rescaled to the new max (exp(-inf) = 0 on the first
+    # tile; an all -inf row keeps 0, not NaN).
+    m_new = tl.maximum(m_run, m)
+    if SUM:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_run = s_run * tl.exp(m_run - m_safe) + tl.sum(exp_shifted(x, m_safe), axis=1)
+    return m_new, s_run
+
+
+@triton.jit
 def _tile_update(
-    logits, pos, start, rows64, row_mask, Order_ptr, Draft_ptr, stride_dm, V, Vd,
-    m_run, s_run, arg_run, dm_run, ds_run,
+    logits, pos, start, row_mask, d_off, Order_ptr, Draft_ptr, PartDM_ptr, PartDS_ptr,
+    stride_dm, V, Vd, m_run, s_run, arg_run,
     BLOCK_V: tl.constexpr, HAS_DRAFT: tl.constexpr, HAS_ORDER: tl.constexpr, HAS_LSE: tl.constexpr,
 ):  # fmt: skip
-    # One tile's epilogue: its max / argmax / sum exp merged into the running ones; on a draft
-    # tile also the dense raw draft logits and the draft max / sum exp (the last, mixed draft
-    # tile masks its other columns in a branch of its own). Returns the running statistics.
+    # One tile's epilogue: its max / argmax / sum exp merged into the running ones. A draft
+    # tile also stores its dense raw draft logits (Draft_ptr: the row block's first row) and
+    # its own draft max / sum exp at d_off, not carried: on a full draft tile they are the
+    # tile's max and its sum exp at that max, one exp pass for both. Returns the running ones.
     logits, m, arg = _tile_argmax_walk(logits, pos, start, Order_ptr, V, Vd, BLOCK_V, HAS_ORDER)
     arg_run = tl.where(m > m_run, arg, tl.where(m == m_run, tl.minimum(arg, arg_run), arg_run))
-    m_run, s_run = _merge_running(m_run, s_run, m, logits, HAS_LSE)
     if HAS_DRAFT and start < Vd:  # constexpr False short-circuits
-        is_draft = pos < Vd
-        d_ptrs = (Draft_ptr + rows64 * stride_dm)[:, None] + pos[None, :]
-        tl.store(d_ptrs, logits, mask=row_mask[:, None] & is_draft[None, :])
-        if start + BLOCK_V > Vd:
+        # int32 offsets inside the row block (BLOCK_N x stride_dm < 2^31 for Vd < 2^24)
+        r = tl.arange(0, logits.shape[0])
+        d_ptrs = Draft_ptr + (r * stride_dm)[:, None] + pos[None, :]
+        if start + BLOCK_V > Vd:  # the last, mixed draft tile: its draft columns' own
+            is_draft = pos < Vd
+            tl.store(d_ptrs, logits, mask=row_mask[:, None] & is_draft[None, :])
             dl = tl.where(is_draft[None, :], logits, float("-inf"))
-            dm_run, ds_run = _merge_running(dm_run, ds_run, tl.max(dl, axis=1), dl, True)
-        else:
-            dm_run, ds_run = _merge_running(dm_run, ds_run, tl.max(logits, axis=1), logits, True)
-    return m_run, s_run, arg_run, dm_run, ds_run
+            dm = tl.max(dl, axis=1)
+            tl.store(PartDM_ptr + d_off, dm, mask=row_mask)
+            tl.store(PartDS_ptr + d_off, _sum_exp(dl, dm), mask=row_mask)
+            m_run, s_run = _merge_running(m_run, s_run, m, logits, HAS_LSE)
+        else:  # every column a draft one: no column mask
+            tl.store(d_ptrs, logits, mask=row_mask[:, None])
+            s = _sum_exp(logits, m)
+            tl.store(PartDM_ptr + d_off, m, mask=row_mask)
+            tl.store(PartDS_ptr + d_off, s, mask=row_mask)
+            m_new = tl.maximum(m_run, m)
+            if HAS_LSE:  # the tile's sum moved from its max to the new one (exp(-inf) = 0)
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                s_run = s_run * tl.exp(m_run - m_safe) + s * tl.exp(m - m_safe)
+            m_run = m_new
+    else:
+        m_run, s_run = _merge_running(m_run, s_run, m, logits, HAS_LSE)
+    return m_run, s_run, arg_run
 
 
 @triton.jit
@@ -126,8 +154,8 @@ def lm_head_persistent_kernel(
     PartArg_ptr,  # [N, P] int32 running argmax (target id)
     Order_ptr,  # [V] int32 target id at each walk position    (HAS_ORDER)
     Draft_ptr,  # [N, Vd] fp32 raw draft logits                (HAS_DRAFT)
-    PartDM_ptr,  # [N, P] fp32 running draft max               (HAS_DRAFT)
-    PartDS_ptr,  # [N, P] fp32 running draft sum exp           (HAS_DRAFT)
+    PartDM_ptr,  # [TD, N] fp32 draft max per draft tile        (HAS_DRAFT)
+    PartDS_ptr,  # [TD, N] fp32 draft sum exp per draft tile    (HAS_DRAFT)
     # sizes: rows, vocabulary, hidden, draft ids (the walk's first Vd positions)
     N,
     V,
@@ -175,8 +203,6 @@ def lm_head_persistent_kernel(
     m_run = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     s_run = tl.zeros((BLOCK_N,), tl.float32)
     arg_run = tl.full((BLOCK_N,), 0x7FFFFFFF, tl.int32)
-    dm_run = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    ds_run = tl.zeros((BLOCK_N,), tl.float32)
     for it in tl.range(0, n_full_iters + cnt_l, flatten=FLATTEN):
         in_full = it < n_full_iters
         cnt = tl.where(in_full, cnt_f, cnt_l)
@@ -207,16 +233,20 @@ def lm_head_persistent_kernel(
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask = rows < N
         rows64 = rows.to(tl.int64)
-        at = (pos, start, rows64, row_mask, Order_ptr, Draft_ptr, stride_dm, V, Vd)
-        runs = (m_run, s_run, arg_run, dm_run, ds_run)
+        # draft partials [TD, N] (rows contiguous); the row block's first draft row (int64)
+        d_off = tile.to(tl.int64) * N + rows64
+        d_row = Draft_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_dm
+        at = (pos, start, row_mask, d_off, Order_ptr, d_row, PartDM_ptr, PartDS_ptr, stride_dm,
+              V, Vd)  # fmt: skip
+        runs = (m_run, s_run, arg_run)
         flags = (BLOCK_V, HAS_DRAFT, HAS_ORDER, HAS_LSE)
         # the ragged last tile masks TMA's zero columns in a branch of its own: no tile-sized
         # value leaves a branch (a yielded tile costs registers), no select on other tiles
         if start + BLOCK_V > V:
             masked = tl.where((pos < V)[None, :], logits, float("-inf"))
-            m_run, s_run, arg_run, dm_run, ds_run = _tile_update(masked, *at, *runs, *flags)
+            m_run, s_run, arg_run = _tile_update(masked, *at, *runs, *flags)
         else:
-            m_run, s_run, arg_run, dm_run, ds_run = _tile_update(logits, *at, *runs, *flags)
+            m_run, s_run, arg_run = _tile_update(logits, *at, *runs, *flags)
 
         # ---- the row block's last tile of this program: store, start over
         if j == cnt - 1:
@@ -225,14 +255,9 @@ def lm_head_persistent_kernel(
             tl.store(PartArg_ptr + p_off, arg_run, mask=row_mask)
             if HAS_LSE:
                 tl.store(PartS_ptr + p_off, s_run, mask=row_mask)
-            if HAS_DRAFT:
-                tl.store(PartDM_ptr + p_off, dm_run, mask=row_mask)
-                tl.store(PartDS_ptr + p_off, ds_run, mask=row_mask)
             m_run = tl.full((BLOCK_N,), float("-inf"), tl.float32)
             s_run = tl.zeros((BLOCK_N,), tl.float32)
             arg_run = tl.full((BLOCK_N,), 0x7FFFFFFF, tl.int32)
-            dm_run = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-            ds_run = tl.zeros((BLOCK_N,), tl.float32)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -318,21 +343,24 @@ def run_persistent(head, scratch_bytes: int) -> None:
     y = head.y
     w = walk_weight(req.weight, req.draft_ids if v.draft else None, head.order if v.draft else None)
     w_desc = TensorDescriptor.from_tensor(w, [cfg.BLOCK_V, cfg.BLOCK_H])
-    per_row = 20 * P + 4 * aligned_row(Vd) * v.draft
+    TD = triton.cdiv(Vd, cfg.BLOCK_V) if v.draft else 0  # draft tiles
+    per_row = 12 * P + (4 * aligned_row(Vd) + 8 * TD) * v.draft
     chunk = min(N, max(cfg.BLOCK_N, scratch_bytes // per_row // cfg.BLOCK_N * cfg.BLOCK_N))
     f32 = {"dtype": torch.float32, "device": dev}
-    part_m = torch.empty((chunk, P), **f32)
-    part_s, part_dm, part_ds = (torch.empty((chunk, P), **f32) for _ in range(3))
+    part_m, part_s = (torch.empty((chunk, P), **f32) for _ in range(2))
     part_arg = torch.empty((chunk, P), dtype=torch.int32, device=dev)
+    # per draft tile statistics, [TD, rows] (every (draft tile, row) is written)
+    part_dm, part_ds = (torch.empty(max(1, TD * chunk), **f32) for _ in range(2))
     # raw draft logits, rows 64-byte aligned (the tiled kernel's staging, `aligned_row`)
     draft_buf = torch.empty((chunk, aligned_row(Vd)), **f32)[:, :Vd] if v.draft else None
     softcap = req.softcap
     for r0 in range(0, N, chunk):
         R = min(N, r0 + chunk) - r0
         # lanes a row block never reaches keep the empty statistics
-        pm, ps, pa, pdm, pds = (t[:R] for t in (part_m, part_s, part_arg, part_dm, part_ds))
-        for t, empty in zip((pm, ps, pa, pdm, pds), (float("-inf"), 0.0, _INT_MAX, float("-inf"), 0.0)):
+        pm, ps, pa = (t[:R] for t in (part_m, part_s, part_arg))
+        for t, empty in zip((pm, ps, pa), (float("-inf"), 0.0, _INT_MAX)):
             t.fill_(empty)
+        pdm, pds = (t[: TD * R].view(TD, R) if v.draft else t for t in (part_dm, part_ds))
         draft = draft_buf[:R] if v.draft else None
         y_desc = TensorDescriptor.from_tensor(y[r0 : r0 + R], [cfg.BLOCK_N, cfg.BLOCK_H])
         run_kernel(
@@ -351,7 +379,7 @@ def run_persistent(head, scratch_bytes: int) -> None:
         if out.lse is not None:
             out.lse[r0 : r0 + R] = merge_lse(pm, ps)
         if v.draft:  # one pass from the raw fp32 logits into the output dtype
-            dlse = merge_lse(pdm, pds)
+            dlse = merge_lse(pdm.T, pds.T)
             torch.sub(draft, dlse.float()[:, None], out=out.draft_logprobs[r0 : r0 + R])
         if out.argmax_in_draft is not None:
             out.argmax_in_draft[r0 : r0 + R] = head.in_draft[amax]
