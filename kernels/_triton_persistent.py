@@ -8,11 +8,11 @@ per group, like the tiled kernel's grouped order) while every program keeps its 
 max / argmax (lowest id on ties) / sum exp in registers across its tiles, storing them once
 per (row block, lane) into [rows, num_programs] partials that `_triton_merge` reduces as it
 reduces per-tile partials. A draft tile stores its draft max / sum exp per (draft tile, row)
-instead, as the tiled kernel does: on a full draft tile they are the tile's own max and sum,
-and nothing more is carried. Both GEMM operands arrive by TMA
-through host tensor descriptors (zero-filled past N, V and H); the K loop is software-pipelined
-(num_stages). Flattening the tile loop into it, so that the next tile's loads fly during the
-epilogue as in triton's persistent matmul tutorial, is one switch (`FLATTEN`), off: see there.
+instead, as the tiled kernel does (on a full draft tile: the tile's own max and sum), so no
+draft statistic is carried. Both GEMM operands arrive by TMA through host tensor descriptors
+(zero-filled past N, V and H); the K loop is software-pipelined (num_stages). Flattening the
+tile loop into it, so that the next tile's loads fly during the epilogue as in triton's
+persistent matmul tutorial, is one switch (`FLATTEN`), off: see there.
 Draft tiles first: TMA on sm_90 loads boxes of consecutive rows, it cannot gather the
 draft-first order, and that order permutes the non-draft rows as well (they skip the draft
 ids). Pointer loads for the draft tiles alone would therefore not suffice, so the weight is
@@ -21,8 +21,8 @@ model), cached for the last (weight, draft ids) pair; the copy is one gather at 
 every tile is then TMA-fed with no id lookup in the loads.
 Registers (`persistent_config`): argmax / lse run 128x256 tiles (128 accumulator registers
 per thread); the draft and softcap epilogues spilled beside that accumulator in every 128x256
-variant tried, so they run 128x128 (64), 0 B spilled for every mode, at ~0.5 more SASS per
-logit on the non-draft tiles (bench/RESULTS.md, the static report).
+variant tried (softcap but on 2 stages), so they run 128x128 (64): 0 B spilled in every mode,
+at ~0.5 more SASS per logit on non-draft tiles (bench/RESULTS.md, the static report).
 Limits: modes lse / argmax / draft (with or without lse), optional scale and softcap, 16-bit
 weights whose rows are 16-byte multiples; everything else (logits, logprobs, top-k, draft
 top-k, fp32 weights) runs the tiled kernel (`supports`). No GPU has run it yet.
@@ -117,7 +117,7 @@ def _tile_update(
     logits, m, arg = _tile_argmax_walk(logits, pos, start, Order_ptr, V, Vd, BLOCK_V, HAS_ORDER)
     arg_run = tl.where(m > m_run, arg, tl.where(m == m_run, tl.minimum(arg, arg_run), arg_run))
     if HAS_DRAFT and start < Vd:  # constexpr False short-circuits
-        # int32 offsets inside the row block (BLOCK_N x stride_dm < 2^31 for Vd < 2^24)
+        # int32 offsets inside the row block: BLOCK_N (<= 128) x stride_dm < 2^31 for Vd < 2^24
         r = tl.arange(0, logits.shape[0])
         d_ptrs = Draft_ptr + (r * stride_dm)[:, None] + pos[None, :]
         if start + BLOCK_V > Vd:  # the last, mixed draft tile: its draft columns' own
