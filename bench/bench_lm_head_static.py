@@ -38,6 +38,10 @@ Usage
     python bench/bench_lm_head_static.py --baseline 7d69297 \
         --json bench/results/lm_head_static-sm90.json
     python bench/bench_lm_head_static.py --all        # every variant the AOT test compiles
+    python bench/bench_lm_head_static.py --only persistent-bf16-draft --merge \
+        --json bench/results/lm_head_static-sm90.json   # redo some rows, keep the others
+    python bench/bench_lm_head_static.py --blocks 128,256,64,12,8,3 --merge --json ...
+        # the persistent modes on blocks the launcher does not choose (rows NAME@128x256-8w-3s)
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from pathlib import Path
 
 import triton
 from eagle_fast.kernels import _triton_aot as aot
-from eagle_fast.kernels._triton_config import Variant
+from eagle_fast.kernels._triton_config import Config, Variant
 
 N, H, V, VD, K = 8192, 4096, 151_936, 32_000, 64  # the issue's shape (Qwen3-8B, 32k draft)
 SMS = 132  # H100 / H200 SXM
@@ -191,9 +195,21 @@ def epilogue_paths(instrs, trips: int, persistent: bool = False) -> dict:
     }
 
 
-def analyse(name: str, variant: Variant, target) -> dict:
-    """Compile one variant for sm_90 (the persistent kernel for persistent-* names) and read
-    its binary."""
+@contextlib.contextmanager
+def persistent_blocks(cfg: Config | None):
+    """`aot.compile_persistent_for` with `cfg` instead of `persistent_config`'s (None: its own)."""
+    chosen = aot.persistent_config
+    if cfg is not None:
+        aot.persistent_config = lambda *args, **kwargs: cfg
+    try:
+        yield
+    finally:
+        aot.persistent_config = chosen
+
+
+def analyse(name: str, variant: Variant, target, blocks: Config | None = None) -> dict:
+    """Compile one variant for sm_90 (the persistent kernel for persistent-* names, with
+    `blocks` instead of the launcher's if given) and read its binary."""
     persistent = name.startswith("persistent-")
     with tempfile.TemporaryDirectory() as cache:
         os.environ["TRITON_CACHE_DIR"] = cache  # a fresh cache: ptxas runs and logs
@@ -201,7 +217,8 @@ def analyse(name: str, variant: Variant, target) -> dict:
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             if persistent:
-                kernel, cfg, progs = aot.compile_persistent_for(target, variant, N, V, H, SMS)
+                with persistent_blocks(blocks):
+                    kernel, cfg, progs = aot.compile_persistent_for(target, variant, N, V, H, SMS)
             else:
                 kernel, cfg = aot.compile_for(target, variant, n_rows=N, V=V, H=H)
         cubin = Path(cache) / "kernel.cubin"
@@ -340,16 +357,35 @@ def baseline(rev: str, names: list[str]) -> dict:
     return {"git_sha": sha, "results": rows}
 
 
+def merge_rows(old: dict, new: dict) -> dict:
+    """`old` report with the rows `new` made replaced (or added), its other rows, environment
+    and baseline kept; `updates` records where and when each replacement was made."""
+    made = {r["name"]: r for r in new["results"]}
+    kept = [made.pop(r["name"], r) for r in old["results"]]
+    update = {**new["environment"], "rows": [r["name"] for r in new["results"]]}
+    return {**old, "results": kept + list(made.values()),
+            "updates": [*old.get("updates", []), update]}  # fmt: skip
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--all", action="store_true", help="every variant the AOT test compiles")
     ap.add_argument("--only", nargs="*", default=None, help="variant names to compile")
     ap.add_argument("--baseline", metavar="REV", help="also report the kernels at git REV")
+    ap.add_argument("--blocks", metavar="BN,BV,BH,GROUP,WARPS,STAGES",
+                    help="persistent rows only, with these blocks (rows named NAME@BNxBV-Ww-Ss)")
+    ap.add_argument("--merge", action="store_true",
+                    help="replace only this run's rows in the --json file, keep its others")  # fmt: skip
     args = ap.parse_args(argv)
     from triton.backends.compiler import GPUTarget
 
     variants = {**(dict(aot.aot_variants()) if args.all else CORE), **PERSISTENT}
+    blocks = Config(*map(int, args.blocks.split(","))) if args.blocks else None
+    if blocks:  # a config the launcher does not choose: only the persistent rows, renamed
+        tag = f"@{blocks.BLOCK_N}x{blocks.BLOCK_V}-{blocks.num_warps}w-{blocks.num_stages}s"
+        variants = {n + tag: v for n, v in PERSISTENT.items()}
+        args.only = args.only and [n + tag for n in args.only]
     if args.only:
         variants = {n: v for n, v in variants.items() if n in args.only}
     target = GPUTarget("cuda", 90, 32)
@@ -358,7 +394,7 @@ def main(argv=None) -> int:
         key = (name.startswith("persistent-"), replace(variant, out=variant.out if variant.logits else "fp32"))
         if key in seen:
             continue
-        rows.append(analyse(name, variant, target))
+        rows.append(analyse(name, variant, target, blocks))
         rows[-1]["projection"] = project(rows[-1])
         seen[key] = name
         print(f"{name}: {rows[-1]['registers']} regs, {rows[-1]['spill_bytes']} B spilled, "
@@ -369,6 +405,8 @@ def main(argv=None) -> int:
         report["baseline"] = baseline(args.baseline, [r["name"] for r in rows])
         base = report["baseline"]
         print(f"\nbaseline {base['git_sha'][:10]}:\n" + table(base["results"]))
+    if args.json and args.merge and args.json.exists():
+        report = merge_rows(json.loads(args.json.read_text()), report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
