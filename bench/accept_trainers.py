@@ -26,6 +26,8 @@ What it does
     The controls `nemo_optim=True` (sources *-nemo-optim) put NeMo's betas and schedule on their
     optimizers (`nemo_optimizer_settings`), all else theirs: what is left between such a draft and
     NeMo's is their training step itself (model, loss, TTT weights), not their defaults.
+    speculators-nemo-decay adds its own `ttt_step_loss_decay` at NeMo's 0.8 (NeMo normalises the
+    weights to sum 1, speculators does not: a scale Adam does not see, but clipping does).
 
 The measure (the same for every draft)
     NeMo's `simulated_accept_length(step_prefix_hits, step_valid)` on the held-out reference samples
@@ -180,9 +182,11 @@ def speculators_draft(model_dir: Path, data_dir: Path, aux_layers: list[int], dr
 
 
 def train_speculators(model_dir: Path, data_dir: Path, aux_layers: list[int], draft_size: int, t: A.DraftTrain,
-                      fp8: bool = False, ref: list[dict] | None = None, nemo_optim: bool = False):
+                      fp8: bool = False, ref: list[dict] | None = None, nemo_optim: bool = False,
+                      ttt_decay: float = 1.0):
     """Train a speculators draft on `data_dir` with its own step; returns (model, loss of every step).
-    `nemo_optim`: NeMo's betas and schedule on its optimizer (`nemo_optimizer_settings`)."""
+    `nemo_optim`: NeMo's betas and schedule on its optimizer (`nemo_optimizer_settings`);
+    `ttt_decay`: its ttt_step_loss_decay (step k of the TTT unroll weighs ttt_decay^k)."""
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
@@ -194,7 +198,7 @@ def train_speculators(model_dir: Path, data_dir: Path, aux_layers: list[int], dr
             if not torch.equal(torch.as_tensor(ds.data[i]["input_ids"]).to(torch.int64)[1:], s["input_ids"][:-1]):
                 raise AssertionError(f"speculators row {i} is not the reference's sample {i}")
     model = speculators_draft(model_dir, data_dir, aux_layers, draft_size, t)
-    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=t.ttt_steps, ttt_step_loss_decay=1.0,
+    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=t.ttt_steps, ttt_step_loss_decay=ttt_decay,
                                                           loss_fn="kl_div", loss_implementation="eager")
     config = TrainerConfig(lr=t.lr, num_epochs=1, save_path="", weight_decay=0.0, scheduler_type="cosine",
                            scheduler_warmup_steps=t.warmup, max_steps=t.steps, hidden_states_dtype=torch.float32)

@@ -19,9 +19,8 @@ What it does
       fastpath-vllm the same runner's forward_eagle3_supervision(("draft",)) (no full logits)
       zero-aux      native-bf16 with every aux state zeroed: a broken source (speculators #613's
                     zero-filled captures), to show the measure tells broken data apart
-      speculators-trained, specforge-trained (-fp8: --aux-dtype fp8; -nemo-optim: NeMo's AdamW
-                    betas and schedule on their optimizers)  drafts trained by those trainers'
-                    own steps on `--format speculators` / `specforge` (accept_trainers.py)
+      speculators-trained, specforge-trained (-fp8, -nemo-optim, -nemo-decay: accept_trainers.py)
+                    drafts trained by those trainers' own steps on `--format speculators` / `specforge`
     and reports for each: NeMo's `simulated_accept_length` on the held-out split (always against
     the reference supervision, the real target), held-out loss, the training loss curve, wall
     time (extraction and training) and bytes per token (on disk here, and at Qwen3-8B shapes from
@@ -74,12 +73,13 @@ TRAINER_SOURCES = {
     "speculators-trained": ("speculators", {"dtype": "bf16", "layout": "speculators"}),
     "specforge-trained": ("specforge", {"dtype": "bf16", "layout": "specforge"}),
     "speculators-trained-fp8": ("speculators-fp8", {"dtype": "bf16", "layout": "speculators", "aux_dtype": "fp8"}),
-    # controls: the same trainers on fp32 data (the reference's numbers), to tell their recipe from our data
+    # controls: the same trainers on fp32 data (the reference's numbers), to tell their recipe from our data,
+    # and with NeMo's optimizer settings (+ NeMo's TTT decay), to tell their defaults from their step
     "speculators-trained-fp32": ("speculators", {"dtype": "fp32", "layout": "speculators"}),
     "specforge-trained-fp32": ("specforge", {"dtype": "fp32", "layout": "specforge"}),
-    # and with NeMo's optimizer settings on their optimizers: their step itself against NeMo's
     "speculators-nemo-optim": ("speculators-nemo-optim", {"dtype": "bf16", "layout": "speculators"}),
     "specforge-nemo-optim": ("specforge-nemo-optim", {"dtype": "bf16", "layout": "specforge"}),
+    "speculators-nemo-decay": ("speculators-nemo-decay", {"dtype": "bf16", "layout": "speculators"}),
 }
 TRAINERS_SETUP = {
     "speculators": "speculators 0.9.0 Eagle3DraftModel (1 layer, eager attention), its kl_div eager loss (TTT weight "
@@ -250,14 +250,15 @@ def _train_with_trainer(framework: str, model, data_dir: Path, work: Path, aux_l
     """One draft trained by `framework`'s own step, judged by NeMo's simulated accept length."""
     t = A.DraftTrain(steps=STEPS, seed=seed)
     t0 = time.perf_counter()
-    nemo_optim = framework.endswith("-nemo-optim")
+    nemo_optim = "-nemo-" in framework
     if framework.startswith("specforge"):
         draft, losses = AT.train_specforge(model, data_dir, work, A.DRAFT_SIZE, t, ref=train_ref, nemo_optim=nemo_optim)
         train_s = time.perf_counter() - t0
         ev = AT.accept_from(lambda s: AT.specforge_predict(draft, s), held_ref)
     else:
         draft, losses = AT.train_speculators(model, data_dir, aux_layers, A.DRAFT_SIZE, t, ref=train_ref,
-                                             fp8=framework == "speculators-fp8", nemo_optim=nemo_optim)
+                                             fp8=framework == "speculators-fp8", nemo_optim=nemo_optim,
+                                             ttt_decay=0.8 if framework.endswith("-nemo-decay") else 1.0)
         train_s = time.perf_counter() - t0
         ev = AT.accept_from(lambda s: AT.speculators_predict(draft, s), held_ref)
     return {"seed": seed, "train_s": train_s, "losses": losses, "loss": None, "accuracy": None,
@@ -411,11 +412,10 @@ def verdicts(results: dict) -> H.Verdicts:
                 f"vs {base['bytes_per_token']:.0f} B/token)")
     if "native-bf16" in records:
         base = records["native-bf16"]
-        for name in ("speculators-trained", "specforge-trained", "speculators-nemo-optim", "specforge-nemo-optim"):
-            if name not in records:
-                continue
+        for name in [n for n in TRAINER_SOURCES if "fp" not in n and n in records]:
             d = records[name]["accept_length_mean"] - base["accept_length_mean"]
-            how = "with NeMo's optimizer settings" if name.endswith("-nemo-optim") else "its own settings"
+            how = {"optim": "with NeMo's optimizer settings", "decay": "with NeMo's optimizer settings and TTT "
+                   "decay"}.get(name.split("-nemo-")[-1], "its own settings")
             v.check(f"accept: {name} (its own training step on our dataset, {how}) within the reference's seed "
                     f"spread of the NeMo-trained native-bf16 draft", abs(d) <= noise,
                     f"{records[name]['accept_length_mean']:.4f} vs {base['accept_length_mean']:.4f}; difference "
