@@ -195,18 +195,6 @@ def epilogue_paths(instrs, trips: int, persistent: bool = False) -> dict:
     }
 
 
-@contextlib.contextmanager
-def persistent_blocks(cfg: Config | None):
-    """`aot.compile_persistent_for` with `cfg` instead of `persistent_config`'s (None: its own)."""
-    chosen = aot.persistent_config
-    if cfg is not None:
-        aot.persistent_config = lambda *args, **kwargs: cfg
-    try:
-        yield
-    finally:
-        aot.persistent_config = chosen
-
-
 def analyse(name: str, variant: Variant, target, blocks: Config | None = None) -> dict:
     """Compile one variant for sm_90 (the persistent kernel for persistent-* names, with
     `blocks` instead of the launcher's if given) and read its binary."""
@@ -217,8 +205,7 @@ def analyse(name: str, variant: Variant, target, blocks: Config | None = None) -
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             if persistent:
-                with persistent_blocks(blocks):
-                    kernel, cfg, progs = aot.compile_persistent_for(target, variant, N, V, H, SMS)
+                kernel, cfg, progs = aot.compile_persistent_for(target, variant, N, V, H, SMS, cfg=blocks)
             else:
                 kernel, cfg = aot.compile_for(target, variant, n_rows=N, V=V, H=H)
         cubin = Path(cache) / "kernel.cubin"

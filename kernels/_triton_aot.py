@@ -18,6 +18,7 @@ import triton
 from triton.compiler import ASTSource
 
 from ._triton_config import (
+    Config,
     Variant,
     aligned_row,
     default_config,
@@ -145,11 +146,12 @@ PERSISTENT_VARIANTS = {
 
 def compile_persistent_for(
     target, variant: Variant, n_rows: int = 8192, V: int = 151_936, H: int = 4096, n_progs: int = 132,
+    cfg: Config | None = None,
 ):  # fmt: skip
     """Compile `lm_head_persistent_kernel` ahead of time with the launcher's config for
-    (n_rows, V, H) and a grid of n_progs programs (132 SMs: H100 / H200 SXM); returns
-    (kernel, config, programs)."""
-    cfg = persistent_config(variant, n_rows, V, H, interpret=False)
+    (n_rows, V, H) (or `cfg`, one the launcher does not choose) and a grid of n_progs programs
+    (132 SMs: H100 / H200 SXM); returns (kernel, config, programs)."""
+    cfg = cfg or persistent_config(variant, n_rows, V, H, interpret=False)
     n_progs = n_progs // cfg.GROUP_SIZE * cfg.GROUP_SIZE  # `_triton_persistent.num_programs`
     w = variant.weight
     sig = {
