@@ -272,6 +272,7 @@ def build_trainer(model_dir: str | Path, ids: torch.Tensor, mask: torch.Tensor, 
 
 
 ADAM_BETAS = (0.9, 0.95)  # train_draft's AdamW (NeMo's train_eagle3 recipe)
+TTT_DECAY = 0.8  # Eagle3TrainerModule weighs TTT step i by 0.8**i (then divides by their sum)
 
 
 def lr_at(step: int, t: DraftTrain) -> float:

@@ -26,8 +26,9 @@ What it does
     The controls `nemo_optim=True` (sources *-nemo-optim) put NeMo's betas and schedule on their
     optimizers (`nemo_optimizer_settings`), all else theirs: what is left between such a draft and
     NeMo's is their training step itself (model, loss, TTT weights), not their defaults.
-    speculators-nemo-decay adds its own `ttt_step_loss_decay` at NeMo's 0.8 (NeMo normalises the
-    weights to sum 1, speculators does not: a scale Adam does not see, but clipping does).
+    speculators-nemo-decay also sets its own `ttt_step_loss_decay` to NeMo's (accept.TTT_DECAY;
+    NeMo normalises the weights to sum 1, speculators does not: a scale Adam does not see, but
+    clipping does).
 
 The measure (the same for every draft)
     NeMo's `simulated_accept_length(step_prefix_hits, step_valid)` on the held-out reference samples

@@ -258,7 +258,7 @@ def _train_with_trainer(framework: str, model, data_dir: Path, work: Path, aux_l
     else:
         draft, losses = AT.train_speculators(model, data_dir, aux_layers, A.DRAFT_SIZE, t, ref=train_ref,
                                              fp8=framework == "speculators-fp8", nemo_optim=nemo_optim,
-                                             ttt_decay=0.8 if framework.endswith("-nemo-decay") else 1.0)
+                                             ttt_decay=A.TTT_DECAY if framework.endswith("-nemo-decay") else 1.0)
         train_s = time.perf_counter() - t0
         ev = AT.accept_from(lambda s: AT.speculators_predict(draft, s), held_ref)
     return {"seed": seed, "train_s": train_s, "losses": losses, "loss": None, "accuracy": None,
