@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 
 from eagle_fast import __version__
+from eagle_fast.chat import ChatFormat
 from eagle_fast.demo import run_demo
 from eagle_fast.errors import UserError
 from eagle_fast.memory import return_freed_memory
 from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.distributed import RayOptions
-from eagle_fast.pipeline.inspect import inspect_text
+from eagle_fast.pipeline.inspect import inspect_text, show_mask_text
 from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify, verify_report
@@ -51,6 +52,21 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                         "when that is smaller)")
     p.add_argument("--overlong", choices=("truncate", "skip"), default="truncate",
                    help="what to do with longer samples (default truncate; the count is reported)")
+
+
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("chat rendering (chat lines only; the same on vocab, extract and inspect)")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template to render chats with (default: the tokenizer's own)")
+    g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="extra template variables, as a JSON object, e.g. '{\"enable_thinking\": false}'")
+    g.add_argument("--supervise-empty-think", action="store_true",
+                   help="supervise the empty <think></think> block a template writes into a turn without "
+                        "reasoning (default: not supervised)")
+
+
+def _chat_format(a: argparse.Namespace) -> ChatFormat:
+    return ChatFormat.from_args(a.chat_template, a.chat_template_kwargs, a.supervise_empty_think)
 
 
 def _add_vllm_args(p: argparse.ArgumentParser) -> None:
@@ -144,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray cluster to join (default $RAY_ADDRESS, else a local instance)")
     p.add_argument("--ray-cpus-per-worker", type=float, default=None, metavar="C",
                    help="CPUs (and torch threads) per Ray worker (default: 1 with GPUs, else an even share)")
+    _add_chat_args(p)
     _add_vllm_args(p)
 
     p = sub.add_parser("vocab", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
@@ -152,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", type=int, default=32000, help="draft vocabulary size (default 32000)")
     p.add_argument("--out", required=True, help="output file (.pt or .safetensors)")
     _add_data_args(p)
+    _add_chat_args(p)
 
     p = sub.add_parser("verify", help="recompute random samples with transformers and compare")
     p.add_argument("dir", help="dataset directory")
@@ -160,9 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="which random samples (default 0)")
     p.add_argument("--tolerance-scale", type=float, default=1.0, help="multiply every tolerance (default 1)")
 
-    p = sub.add_parser("inspect", help="summarise a dataset")
-    p.add_argument("dir", help="dataset directory")
+    p = sub.add_parser("inspect", help="summarise a dataset, or show what a sample trains on")
+    p.add_argument("dir", help="dataset directory (or, with --show-mask, a data file)")
     p.add_argument("--json", action="store_true", help="print the manifest instead")
+    p.add_argument("--show-mask", type=int, default=None, metavar="N",
+                   help="print sample N of the dataset (or line N of a data file) with its supervised "
+                        "tokens between [[ and ]]")
+    p.add_argument("--model", default=None,
+                   help="--show-mask: the checkpoint whose tokenizer renders the data file (a dataset: "
+                        "default the one in its manifest)")
+    _add_chat_args(p)
 
     p = sub.add_parser("merge", help="merge the --shard I/N parts into one dataset")
     p.add_argument("dir", help="output directory (may already hold parts written by the nodes)")
@@ -213,7 +238,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
         supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
-        vllm=_vllm_settings(a), head_in_worker=a.head_in_worker,
+        vllm=_vllm_settings(a), head_in_worker=a.head_in_worker, chat=_chat_format(a),
     )
     if not a.ray and (a.ray_workers, a.ray_address, a.ray_cpus_per_worker) != (None, None, None):
         raise UserError("--ray-workers, --ray-address and --ray-cpus-per-worker apply to --ray runs only",
@@ -227,7 +252,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
 
 
 def cmd_vocab(a: argparse.Namespace) -> int:
-    build_vocab(a.model, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong)
+    build_vocab(a.model, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong, chat=_chat_format(a))
     return 0
 
 
@@ -240,6 +265,12 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
+    if a.show_mask is not None:
+        print(show_mask_text(a.dir, a.show_mask, a.model, _chat_format(a)))
+        return 0
+    if a.model is not None or _chat_format(a) != ChatFormat():
+        raise UserError("--model and the chat options of inspect apply with --show-mask N",
+                        "add --show-mask N, or drop them")
     if a.json:
         read_manifest(a.dir)  # validates
         print((Path(a.dir) / MANIFEST_NAME).read_text(), end="")

@@ -4,10 +4,10 @@
   `conversations`); the first bad line stops the run with file:line and the reason, before
   anything is written.
 - Tokenise with the model's tokenizer, loaded only when a line needs it (input_ids lines do
-  not). Chat messages go through the model's own chat template; the loss mask covers assistant
-  tokens only (the template's {% generation %} blocks when it has them, else each assistant
-  turn's rendered span). Samples longer than `max_len` (`resolve_max_len`) are truncated or
-  skipped, and counted.
+  not). Chat messages go through the model's chat template (or `--chat-template`, with
+  `--chat-template-kwargs`: a `chat.ChatFormat`); the loss mask covers the assistant's tokens
+  as the full rendering shows them (`chat.encode_chat`). Samples longer than `max_len`
+  (`resolve_max_len`) are truncated or skipped, and counted.
 - Plan: kept samples, in file order, form the global sample index; shard g holds samples
   [g*S, (g+1)*S), so any split of nodes produces the same shards as one run. Within a shard,
   samples are sorted by length and packed into batches under a token budget, so batch
@@ -22,17 +22,16 @@ import hashlib
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle_fast.chat import REASONING_FIELDS, ChatFormat, ChatMaskError, encode_chat
 from eagle_fast.errors import UserError, bad_line
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
-_GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 # ------------------------------------------------------------------------------ inputs
 
@@ -72,9 +71,18 @@ def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dic
             raise bad_line(path, line, f'message {i} has no string "{content_key}"',
                        f'give every message a "{content_key}" string')
         msg = {"role": SHAREGPT_ROLES[role] if sharegpt else role, "content": content}
-        for extra in ("reasoning_content", "tool_calls", "name", "tool_call_id"):
+        for extra in ("tool_calls", "name", "tool_call_id"):
             if not sharegpt and extra in m:
                 msg[extra] = m[extra]
+        given = {name: m[name] for name in REASONING_FIELDS if m.get(name) is not None}
+        if given:
+            if msg["role"] != "assistant":
+                raise bad_line(path, line, f"message {i} ({msg['role']}) has {', '.join(given)}",
+                               "only assistant messages carry reasoning")
+            if any(not isinstance(v, str) for v in given.values()) or len(set(given.values())) > 1:
+                raise bad_line(path, line, f"message {i} has {' and '.join(given)} that are not one string",
+                               f"give the reasoning once, as a string, in one of {', '.join(REASONING_FIELDS)}")
+            msg["reasoning"] = next(iter(given.values()))
         out.append(msg)
     if not any(m["content"] for m in out):
         raise bad_line(path, line, "every message is empty", "drop the line or fill in its messages")
@@ -188,19 +196,7 @@ class LazyTokenizer:
         return self._tok
 
 
-def _chat_template(tok) -> str | None:
-    t = getattr(tok, "chat_template", None)
-    if isinstance(t, dict):
-        t = t.get("default", next(iter(t.values()), None))
-    return t
-
-
-def _render_ids(tok, messages: list[dict], **kw) -> list[int]:
-    out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
-    return list(out["input_ids"])
-
-
-def tokenize_record(rec: Record, tok, path: str) -> tuple[list[int], list[int]]:
+def tokenize_record(rec: Record, tok, path: str, chat: ChatFormat | None = None) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) for one record; `tok` is a tokenizer or a LazyTokenizer."""
     if rec.kind == "input_ids":
         ids = list(rec.value)
@@ -210,30 +206,19 @@ def tokenize_record(rec: Record, tok, path: str) -> tuple[list[int], list[int]]:
     if rec.kind == "text":
         ids = list(tok(rec.value)["input_ids"])
         return ids, [1] * len(ids)
-    template = _chat_template(tok)
-    if not template:
+    chat = chat or ChatFormat()
+    if not chat.template_for(tok):
         raise UserError(
             f"{path}:{rec.line}: chat messages need a chat template, and this tokenizer has none",
-            "add a chat_template to the model's tokenizer_config.json, or give text/input_ids lines",
+            "add a chat_template to the model's tokenizer_config.json, pass --chat-template FILE, "
+            "or give text/input_ids lines",
         )
-    msgs = rec.value
     try:
-        if _GENERATION_RE.search(template):
-            out = tok.apply_chat_template(msgs, tokenize=True, return_dict=True,
-                                          return_assistant_tokens_mask=True)
-            return list(out["input_ids"]), [int(bool(v)) for v in out["assistant_masks"]]
-        # No {% generation %} markers: mark each assistant turn's span, found by rendering
-        # the conversation prefix before it (with the generation prompt) and through it.
-        ids = _render_ids(tok, msgs)
-        mask = [0] * len(ids)
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            start = len(_render_ids(tok, msgs[:i], add_generation_prompt=True)) if i else 0
-            end = len(_render_ids(tok, msgs[: i + 1]))
-            for t in range(start, min(end, len(ids))):
-                mask[t] = 1
-        return ids, mask
+        return encode_chat(tok, rec.value, chat)
+    except ChatMaskError as exc:
+        raise bad_line(path, rec.line, f"cannot mask this chat: {exc}",
+                       "fix or drop the line, or pass a --chat-template that renders each assistant turn "
+                       "once, in order") from None
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template error is a problem with this line's data
@@ -273,14 +258,17 @@ class InputPlan:
     truncated: int = 0
     skipped: int = 0
     no_loss: int = 0
+    chats: int = 0  # lines rendered through the chat template (their masks follow `chat.MASK_RULE`)
 
     @property
     def tokens(self) -> int:
         return sum(s.length for s in self.samples)
 
 
-def plan_inputs(path: str | os.PathLike, tok, vocab_size: int, *, max_len: int, overlong: str) -> InputPlan:
-    """Read, validate and tokenise the whole file; apply the over-long policy."""
+def plan_inputs(path: str | os.PathLike, tok, vocab_size: int, *, max_len: int, overlong: str,
+                chat: ChatFormat | None = None) -> InputPlan:
+    """Read, validate and tokenise the whole file; apply the over-long policy. `chat`: how chat
+    lines render and mask (default: the tokenizer's template, no extra kwargs)."""
     if max_len < 2:
         raise UserError(f"--max-len must be at least 2, got {max_len}", "pass e.g. --max-len 2048")
     if overlong not in ("truncate", "skip"):
@@ -288,7 +276,8 @@ def plan_inputs(path: str | os.PathLike, tok, vocab_size: int, *, max_len: int, 
     records, digest = read_records(path)
     plan = InputPlan([], len(records), digest)
     for rec in records:
-        ids, mask = tokenize_record(rec, tok, str(path))
+        ids, mask = tokenize_record(rec, tok, str(path), chat)
+        plan.chats += rec.kind == "messages"
         if not ids:
             raise bad_line(str(path), rec.line, "tokenises to zero tokens", "drop the line or give it content")
         bad = [t for t in ids if t >= vocab_size]

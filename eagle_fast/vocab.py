@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from eagle_fast.chat import ChatFormat
 from eagle_fast.checkpoint import load_model_info, special_token_ids
 from eagle_fast.errors import UserError
 from eagle_fast.files import atomic_write_bytes
@@ -194,13 +195,13 @@ def load_draft_vocab(path: str | os.PathLike, vocab_size: int | None = None) -> 
 
 
 def build_vocab(model: str, data: str, size: int, out: str, *, max_len: int | None = None,
-                overlong: str = "truncate", log=print) -> DraftVocab:
+                overlong: str = "truncate", chat: ChatFormat | None = None, log=print) -> DraftVocab:
     """`eagle-fast vocab`: tokenise `data` the way `extract` does, count, select, save."""
 
     info = load_model_info(model)
     tok = LazyTokenizer(model)
     plan = plan_inputs(data, tok, info.vocab_size, max_len=resolve_max_len(max_len, info.max_positions),
-                       overlong=overlong)
+                       overlong=overlong, chat=chat)
     counts = count_tokens(((s.input_ids, s.loss_mask) for s in plan.samples), info.vocab_size)
     specials = [t for ids in special_token_ids(info.config_token_ids, tok).values() for t in ids]
     vocab = select_draft_vocab(counts, size, specials)

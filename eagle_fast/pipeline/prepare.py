@@ -126,7 +126,7 @@ def prepare(cfg: ExtractConfig) -> Prepared:
                         "drop --draft-vocab, or use --supervision draft")
     engine = resolve_engine(cfg.engine, info)
     tok = LazyTokenizer(cfg.model)
-    plan = plan_inputs(cfg.data, tok, info.vocab_size, max_len=cfg.max_len, overlong=cfg.overlong)
+    plan = plan_inputs(cfg.data, tok, info.vocab_size, max_len=cfg.max_len, overlong=cfg.overlong, chat=cfg.chat)
     longest = max(s.length for s in plan.samples)
     if engine == "vllm" and info.max_positions and longest >= info.max_positions:
         raise UserError(f"a sample has {longest} tokens; vLLM needs one position beyond the longest prompt "
@@ -162,6 +162,8 @@ def prepare(cfg: ExtractConfig) -> Prepared:
         settings["aux_dtype"] = cfg.aux_dtype
     if cfg.keep_mass is not None:  # likewise absent for a fixed k
         settings["keep_mass"] = cfg.keep_mass
+    if plan.chats:  # how chat masks were made; absent without chat lines (nothing was masked)
+        settings["masks"] = cfg.chat.describe(tok.get())
     quantization = cfg.vllm.merged().get("quantization") if engine == "vllm" else None
     if quantization:  # another target's outputs: never mixed on resume; absent when unquantized
         settings["quantization"] = quantization
@@ -250,8 +252,16 @@ def _existing_manifest(root: Path, part, settings: dict, cfg: ExtractConfig) -> 
             ours = eagle_section(load_json(q))
         except KeyError:
             raise UserError(f"{q} was not written by eagle-fast", "pass a new --out directory") from None
+        if "masks" in settings and "masks" not in ours.get("settings", {}):
+            raise UserError(
+                f"{root} was made by an older eagle-fast, whose chat loss masks came from renderings of "
+                "each conversation's prefixes: on templates that render a turn differently once later "
+                "turns exist (Qwen3's think blocks, reasoning dropped from history) they mark the wrong "
+                "tokens, and resuming would mix them with this version's masks",
+                f"extract into a new --out directory (or delete {root}) to rebuild every shard with masks "
+                "from the full rendering")
         # Settings absent from manifests at their default, shown by name in the diff.
-        defaults = {"aux_dtype": "auto", "quantization": None, "keep_mass": None}
+        defaults = {"aux_dtype": "auto", "quantization": None, "keep_mass": None, "masks": None}
         diffs = diff_settings({**defaults, **ours.get("settings", {})}, {**defaults, **settings})
         if diffs:
             raise UserError(

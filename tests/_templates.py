@@ -1,0 +1,132 @@
+"""Chat templates as models ship them, read from the packages in the lock, and their oracles.
+
+Each template comes unmodified from an installed package (none is written here):
+- qwen3: vLLM's `template_minicpmv45.jinja`, Qwen3's template logic (last_query_index, think
+  blocks after the last query, reasoning dropped from history, newline trimming);
+- chatml: vLLM's `template_chatml.jinja` (no end token after a final assistant turn);
+- deepseek: vLLM's `template_deepseek_vl2.jinja` (plain-text headers, eos_token ends a turn);
+- llama4: transformers' Llama-4 processor template (header tokens, `<|eot|>`);
+- mistral: the template mistral_common generates for a v11 (Mistral-Small-3.x) tokenizer.
+`oracle(name, ...)` is a copy with `{% generation %}` placed around each assistant turn's
+content and end token (a text edit of the shipped template; every edit must apply exactly once,
+so a changed upstream template fails loudly), read through transformers'
+`return_assistant_tokens_mask`. The qwen3 copy leaves an empty think block outside the block
+unless it is kept, and a think opener the generation prompt writes (enable_thinking) too.
+`tokenizer(name, dir)` is the tiny test BPE with that family's special and added tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from eagle_fast import tiny
+
+SITE = Path(next(p for p in sys.path if p.endswith("site-packages")))
+SPECIALS = {
+    "qwen3": (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>", "<tool_call>", "</tool_call>"],
+              {"eos_token": "<|im_end|>"}),
+    "chatml": (["<|im_start|>", "<|im_end|>"], [], {"eos_token": "<|im_end|>"}),
+    "deepseek": (["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"], [],
+                 {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}),
+    "llama4": (["<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>"], [],
+               {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"}),
+    "mistral": (["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]"], [],
+                {"bos_token": "<s>", "eos_token": "</s>"}),
+}
+
+
+def shipped(name: str) -> str:
+    """The template text as its package ships it."""
+    if name in ("qwen3", "chatml", "deepseek"):
+        file = {"qwen3": "template_minicpmv45.jinja", "chatml": "template_chatml.jinja",
+                "deepseek": "template_deepseek_vl2.jinja"}[name]
+        return (SITE / "vllm" / "transformers_utils" / "chat_templates" / file).read_text()
+    if name == "llama4":
+        from transformers.models.llama4 import processing_llama4
+
+        return processing_llama4.chat_template
+    if name == "mistral":
+        from mistral_common.integrations.chat_templates.chat_templates import generate_chat_template
+        from mistral_common.tokens.tokenizers.base import TokenizerVersion
+
+        return generate_chat_template(
+            spm=False, tokenizer_version=TokenizerVersion.v11, image_support=False, audio_support=False,
+            thinking_support=False, default_system_prompt=None, plain_thinking_support=False,
+            use_special_token_variables=True, model_settings_fields=None, reasoning_effort_values=None,
+            reasoning_effort_default=None)
+    raise KeyError(name)
+
+
+def tokenizer(name: str, directory: Path):
+    """The tiny BPE with the family's special tokens (and added ones, as Qwen3's <think>)."""
+    tok = tiny.build_tokenizer(directory, 600)
+    specials, added, roles = SPECIALS[name]
+    tok.add_special_tokens({"additional_special_tokens": specials, **roles})
+    if added:
+        tok.add_tokens(added)
+    tok.chat_template = shipped(name)
+    return tok
+
+
+def _edit(text: str, old: str, new: str) -> str:
+    assert text.count(old) == 1, f"the shipped template changed: {old[:60]!r} found {text.count(old)} times"
+    return text.replace(old, new)
+
+
+_QWEN_FULL = ("{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' "
+              "+ content.lstrip('\\n') }}")
+_QWEN_PLAIN = "{{- '<|im_start|>' + message.role + '\\n' + content }}"
+
+
+def oracle(name: str, *, keep_empty_think: bool = False, prompt_think: bool = False) -> str:
+    """The marked copy of `shipped(name)`; prompt_think: the generation prompt writes <think>\\n."""
+    t = shipped(name)
+    if name == "qwen3":
+        empty = "not reasoning.strip('\\n')" if not keep_empty_think else "false"
+        block, opener = len("<think>\n\n</think>\n\n"), len("<think>\n") if prompt_think else 0
+        cut = f"({block} if ({empty}) else {opener})"
+        t = _edit(t, _QWEN_FULL,
+                  "{%- set ns.full = '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') %}"
+                  f"{{%- set ns.head = '<|im_start|>' + message.role + '\\n' + ns.full[:{cut}] %}}"
+                  f"{{%- set ns.body = ns.full[{cut}:] %}}")
+        t = t.replace(_QWEN_PLAIN, "{%- set ns.head = '<|im_start|>' + message.role + '\\n' %}{%- set ns.body = content %}")
+        t = _edit(t, "        {%- if message.tool_calls %}",
+                  "        {{- ns.head }}{%- generation %}{{- ns.body }}\n        {%- if message.tool_calls %}")
+        return _edit(t, "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}",
+                     "        {{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}\n    {%- elif message.role == \"tool\" %}")
+    if name == "chatml":
+        return _edit(t, "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] -}}\n"
+                        "    {%- if (loop.last and add_generation_prompt) or not loop.last -%}\n"
+                        "        {{- '<|im_end|>' + '\\n' -}}\n    {%- endif -%}",
+                     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+                     "{%- set body -%}{{- message['content'] -}}{%- if (loop.last and add_generation_prompt) or "
+                     "not loop.last -%}{{- '<|im_end|>' -}}{%- endif -%}{%- endset -%}"
+                     "{%- if message['role'] == 'assistant' -%}{%- generation -%}{{- body -}}{%- endgeneration -%}"
+                     "{%- else -%}{{- body -}}{%- endif -%}"
+                     "{%- if (loop.last and add_generation_prompt) or not loop.last -%}{{- '\\n' -}}{%- endif -%}")
+    if name == "deepseek":
+        return _edit(t, "{{ '<|Assistant|>: ' + message['content'] + eos_token + '\\n\\n' }}",
+                     "{{ '<|Assistant|>: ' }}{% generation %}{{ message['content'] + eos_token }}"
+                     "{% endgeneration %}{{ '\\n\\n' }}")
+    if name == "llama4":
+        start = "        {%- if message['content'] is string %}\n            {{- message['content'] }}"
+        end = "        {{- \"<|eot|>\" }}\n    {%- elif 'tool_calls' in message"
+        i, j = t.index(start), t.index(end) + len("        {{- \"<|eot|>\" }}")
+        assert t.count(start) == 2, "the shipped template changed"
+        body = t[i:j]
+        return (t[:i] + "{%- set body %}" + body + "{%- endset %}{%- if message['role'] == 'assistant' %}"
+                "{%- generation %}{{- body }}{%- endgeneration %}{%- else %}{{- body }}{%- endif %}" + t[j:])
+    if name == "mistral":
+        t = _edit(t, "        {%- if message['content'] %}\n            {{- render_content(content=message['content'], "
+                     "context_name='assistant message contents') -}}",
+                  "        {%- generation %}{%- if message['content'] %}\n            {{- render_content("
+                  "content=message['content'], context_name='assistant message contents') -}}")
+        return _edit(t, "        {{- eos_token }}\n", "        {{- eos_token }}{%- endgeneration %}\n")
+    raise KeyError(name)
+
+
+def oracle_mask(tok, messages: list[dict], template: str, **kwargs) -> tuple[list[int], list[int]]:
+    out = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True, **kwargs)
+    return list(out["input_ids"]), [int(bool(v)) for v in out["assistant_masks"]]
