@@ -3,7 +3,8 @@
 What it does
     1. pytest (in this process) over bench/bench_lm_head.py, bench_runner.py,
        bench_pipeline.py, bench_cpu_ops.py, bench_serve.py, bench_ray.py, bench_storage.py,
-       bench_host_path.py and bench_accept.py (after storage, whose recommended k it reads).
+       bench_host_path.py and bench_accept.py (after storage, whose recommended k it reads), and
+       bench_masks.py (what the chat mask rule changes on the demo data).
        Each module's test is `_harness.pytest_case` (one per head case in bench_lm_head.py):
        pytest-benchmark collects and tabulates them and drives the head's and the runner's
        interleaved rounds; the ratios come from `_harness.SideBySide` (its docstring says why).
@@ -37,12 +38,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline": "bench_pipeline.py",
            "cpu_ops": "bench_cpu_ops.py", "serve": "bench_serve.py", "ray": "bench_ray.py",
-           "storage": "bench_storage.py", "host_path": "bench_host_path.py", "accept": "bench_accept.py"}
+           "storage": "bench_storage.py", "host_path": "bench_host_path.py", "accept": "bench_accept.py",
+           "masks": "bench_masks.py"}
 # Seconds each module took: `wall_s` of its results file in bench/results/ (a 2-core Xeon with AMX;
 # the trained tiny target of storage and accept already cached). host_path's file records none:
 # its figure is bench/README.md's "about 2 minutes".
 SECONDS = {"lm_head": 165, "runner": 177, "pipeline": 190, "cpu_ops": 36, "serve": 267, "ray": 128,
-           "storage": 10, "host_path": 120, "accept": 1277}
+           "storage": 10, "host_path": 120, "accept": 1277, "masks": 14}
 
 
 def estimate_minutes(names=MODULES) -> int:
