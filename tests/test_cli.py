@@ -211,3 +211,25 @@ def test_default_max_len_fits_a_short_context_model(tmp_path, capsys, tiny_short
                             "--out", tmp_path / "v.pt")
     assert code == 0, err
     assert 1000 not in load_draft_vocab(tmp_path / "v.pt", 1031).ids.tolist()
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-out", "empty-out"])
+def test_nan_head_is_refused_and_leaves_out_as_it_was(tmp_path, capsys, tiny_llama, cli_data, existing):
+    """A NaN in lm_head.weight is found when the head is built, after the run has begun: the
+    refusal names the row and leaves --out as it found it (no manifest to resume from)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan_model"
+    shutil.copytree(tiny_llama, model)
+    weights = model / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["lm_head.weight"][11, 3] = float("nan")
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    out = tmp_path / "o"
+    if existing:
+        out.mkdir()
+    code, _, err = run_main(capsys, *extract_args(str(model), cli_data, out))
+    assert code == 2 and "row 11 has NaN" in err and "corrupt" in err, err
+    assert out.exists() == existing and (not existing or not any(out.iterdir()))

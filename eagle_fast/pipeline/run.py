@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -299,19 +300,34 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
     longest = max((s.length for s in p.plan.samples), default=1)
     check_vllm_settings(cfg.vllm, cfg.engine, p.engine, longest, cfg.batch_tokens)
     head_in_worker_settings(cfg, p, ray if p.pending else None)  # refuses before anything starts
-    fresh = not p.root.exists()
+    existed = p.root.exists()
+    fresh = not existed or not any(p.root.iterdir())  # nothing of anyone's is in it yet
     p.root.mkdir(parents=True, exist_ok=True)
     # The default factory builds vLLM with the user's settings, each step within --batch-tokens.
     factory = runner_factory or functools.partial(default_runner_factory, vllm=cfg.vllm,
                                                   step_tokens=cfg.batch_tokens)
-    pool, finished = None, False
+    pool = None
     if ray is not None and p.pending:
         try:  # starts Ray and its workers, which probe OUT before anything is written
             pool = ray.start(p, factory)
         except BaseException:
-            if fresh and not any(p.root.iterdir()):
+            if not existed and not any(p.root.iterdir()):
                 p.root.rmdir()
             raise
+    try:
+        return _extract_in(p, cfg, factory, pool, on_shard, t_start)
+    except UserError:
+        if fresh and not p.manifest["shards"]:  # refused before any shard: leave --out as it was
+            for child in list(p.root.iterdir()):
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            if not existed:
+                p.root.rmdir()
+        raise
+
+
+def _extract_in(p, cfg: ExtractConfig, factory: Callable, pool, on_shard, t_start: float) -> Summary:
+    """`extract` once `p.root` exists: the manifest first, then the pending shards."""
+    finished = False
     try:
         clean_temps(p)
         write_manifest(p)  # first, so even a run killed now leaves a directory we recognise
