@@ -30,6 +30,7 @@ from eagle_fast.runners.engine_settings import (
     CPU_BIND_ENV,
     VLLMSettings,
     bind_cpu_threads,
+    eager_engine_env,
     parse_engine_args,
     select_v1_runner,
 )
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default="native",
                    help="on-disk layout (default native); nemo, speculators, specforge: read by that "
                         "trainer's own offline loader (README: 'Training with ...')")
+    p.add_argument("--no-engine-check", action="store_true",
+                   help="skip the engine check (vLLM: before the first batch, log-probs rebuilt from the "
+                        "captures of a few sequences are compared with the engine's own; a difference stops "
+                        "the run). Without it a wrong capture is stored as if it were right")
     p.add_argument("--head-in-worker", action="store_true",
                    help="vllm-cpu: run the head in the engine's worker, so only the aux states and the "
                         "supervision leave it (draft-topk, topk, lse: fewer bytes and less time; same "
@@ -229,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request (B x S) and most padded tokens per engine call (default 65536)")
     p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
                    help="exit once no request has come for SECONDS (jobs that must not outlive their trainer)")
+    p.add_argument("--no-engine-check", action="store_true",
+                   help="skip the engine check at start (vLLM: log-probs rebuilt from the captures of two "
+                        "rows against the engine's own; a difference keeps the server from serving)")
     _add_vllm_args(p)
 
     p = sub.add_parser("demo", help="build a small model + chat data and run vocab, extract, verify")
@@ -245,6 +253,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
         vllm=_vllm_settings(a), head_in_worker=a.head_in_worker, chat=_chat_format(a),
+        engine_check=not a.no_engine_check,
     )
     if not a.ray and (a.ray_workers, a.ray_address, a.ray_cpus_per_worker) != (None, None, None):
         raise UserError("--ray-workers, --ray-address and --ray-cpus-per-worker apply to --ray runs only",
@@ -300,7 +309,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         model=a.model, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers, host=a.host, port=a.port,
         probs_dtype=a.probs_dtype, max_len=a.max_len, max_batch_tokens=a.max_batch_tokens,
         exit_when_idle=a.exit_when_idle, supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, tail=a.tail,
-        vllm=_vllm_settings(a),
+        vllm=_vllm_settings(a), engine_check=not a.no_engine_check,
     ))
     return_freed_memory()
     keep_triton_out(server.engine_name)
@@ -360,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("eagle_fast").info(f"{CPU_BIND_ENV}={bound}: one CPU group per TP rank (this "
                                              "machine has fewer NUMA nodes than ranks)")
     try:
+        if args.command in ("extract", "serve", "demo"):  # and an eager engine compiles nothing
+            eager_engine_env(VLLMSettings() if args.command == "demo" else _vllm_settings(args), os.environ)
         return COMMANDS[args.command](args)
     except UserError as exc:
         _print_error(exc.cause, exc.fix)

@@ -265,3 +265,59 @@ def test_bad_inputs_leave_dir_consistent(reference, tiny_llama, inputs, tmp_path
     assert not (tmp_path / "fresh").exists()
     assert tree_digest(existing) == before
     assert len(Eagle3Dataset(existing, verify="full")) == 22
+
+
+# ------------------------------------------------------------------------ the engine check
+
+
+def test_every_vllm_run_checks_its_captures_against_the_engine(reference, capsys):
+    """The reference run's record holds the check's figures, and inspect shows them."""
+    from eagle_fast.cli import main
+
+    check = json.loads((reference / "manifest.json").read_text())["runs"][-1]["engine_check"]
+    assert check["positions"] > 0 and check["sequences"] >= 1
+    assert check["max_abs_err"] <= check["tolerance"] == pytest.approx(1e-3)  # fp32: a fixed 1e-3
+    assert main(["inspect", str(reference)]) == 0
+    assert "engine    check passed: captures vs vLLM's prompt log-probs" in capsys.readouterr().out
+
+
+def test_engine_check_stops_a_dropped_head_rule(tiny_llama, inputs, shared, vllm_llama, tmp_path, monkeypatch):
+    """The head without its final RMSNorm (a head rule dropped): refused before anything is stored;
+    --no-engine-check stores it anyway and records that it was skipped."""
+    from dataclasses import replace
+
+    from eagle_fast.head import TargetHead
+
+    head = vllm_llama.head
+    monkeypatch.setattr(vllm_llama, "head", TargetHead(head.lm_head_weight, None, replace(head.spec, norm="none")))
+    out = tmp_path / "out"
+    with pytest.raises(UserError, match=r"engine check: the log-probs rebuilt from the captured final hidden "
+                                        r"state differ from vLLM's own prompt log-probs by up to") as e:
+        extract(config(tiny_llama, inputs, out), runner_factory=lambda *a: shared)
+    assert "norm='none'" in e.value.cause and "--no-engine-check" in e.value.fix
+    assert not out.exists()
+    s = extract(config(tiny_llama, inputs, out, engine_check=False), runner_factory=lambda *a: shared)
+    assert s.complete
+    runs = json.loads((out / "manifest.json").read_text())["runs"]
+    assert runs[-1]["engine_check"] == {"skipped": "--no-engine-check"}
+
+
+def test_engine_check_stops_a_final_slot_one_layer_early(tiny_llama, inputs, tmp_path, monkeypatch, capsys):
+    """A test-only hook moves the final capture to the output of the layer before the last (the
+    bug peers' datagen shipped): `extract` stops with the figures, and --out is left as it was."""
+    from eagle_fast.cli import main
+    from eagle_fast.runners import vllm as vllm_runner
+
+    def one_layer_early(aux_layer_ids, num_layers):
+        ids = sorted({i + 1 for i in aux_layer_ids} | {num_layers - 1})
+        slot = {c: s for s, c in enumerate(ids)}
+        return ids, [slot[i + 1] for i in aux_layer_ids], slot[num_layers - 1]
+
+    monkeypatch.setattr(vllm_runner, "capture_plan", one_layer_early)
+    out = tmp_path / "out"
+    code = main(["extract", "--model", str(tiny_llama), "--data", str(inputs[1]), "--out", str(out),
+                 "--engine", "vllm", "--dtype", "fp32", "--max-len", str(MAX_LEN), "--supervision", "lse",
+                 "--aux-layers", AUX])
+    err = capsys.readouterr().err
+    assert code == 2 and "engine check:" in err and "tolerance 0.001" in err and "fix:" in err, err[-3000:]
+    assert not out.exists()

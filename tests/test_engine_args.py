@@ -285,10 +285,12 @@ def _launch(gpus: int, tp: int, workers: int | None = None, pending: int = 8, en
 
     ray = SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": {"CPU": 16, "GPU": gpus}}],
                           cluster_resources=lambda: {"CPU": 16, "GPU": gpus}, remote=lambda cls: Remote())
-    cfg = SimpleNamespace(vllm=VLLMSettings(tensor_parallel_size=tp), model="m", batch_tokens=64, queue_batches=2)
-    p = SimpleNamespace(engine="vllm", cfg=cfg, dtype=torch.float32, plan=SimpleNamespace(samples=[
-        SimpleNamespace(length=10)]), aux_layer_ids=[0, 1, 2], spec=SimpleNamespace(k=0), root=Path("/o"),
-        draft_ids=None, pending=list(range(pending)))
+    cfg = SimpleNamespace(vllm=VLLMSettings(tensor_parallel_size=tp), model="m", batch_tokens=64, queue_batches=2,
+                          engine_check=True)
+    sample = SimpleNamespace(length=10, input_ids=list(range(10)))
+    p = SimpleNamespace(engine="vllm", cfg=cfg, dtype=torch.float32, plan=SimpleNamespace(samples=[sample]),
+                        aux_layer_ids=[0, 1, 2], spec=SimpleNamespace(k=0), root=Path("/o"), draft_ids=None,
+                        pending=[SimpleNamespace(index=i, samples=[sample]) for i in range(pending)])
     with pytest.raises(_Launched):
         _Pool(ray, False, RayOptions(workers=workers)).launch(p, lambda *a: None)
     return seen
@@ -392,3 +394,16 @@ def test_the_cli_sets_the_binding_for_a_tp_run(one_node, monkeypatch, capsys, ti
     assert os.environ.get(es.CPU_BIND_ENV) == "0-0|1-1"
     assert "VLLM_CPU_OMP_THREADS_BIND=0-0|1-1: one CPU group per TP rank" in err
     assert code == 2 and "--tensor-parallel-size" in err and not (tmp_path / "o").exists()
+
+
+def test_an_eager_engine_compiles_nothing():
+    """The entry point turns torch.compile off for an eager engine's processes (vLLM would
+    otherwise compile a log-prob helper on the engine check's request), and only then."""
+    env = {}
+    assert es.eager_engine_env(VLLMSettings(), env) and env == {"TORCHDYNAMO_DISABLE": "1"}
+    env = {"TORCHDYNAMO_DISABLE": "0"}
+    assert es.eager_engine_env(VLLMSettings(enforce_eager=True), env) and env == {"TORCHDYNAMO_DISABLE": "0"}
+    for settings in (VLLMSettings(enforce_eager=False),
+                     VLLMSettings(engine_args={"compilation_config": {"mode": 0}})):
+        env = {}
+        assert not es.eager_engine_env(settings, env) and env == {}

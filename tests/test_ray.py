@@ -138,6 +138,8 @@ def test_two_workers_write_the_single_process_bytes(inputs, local_ray, tiny_llam
     assert_same_dataset(tmp_path / "out", ref)
     run = json.loads((tmp_path / "out" / "manifest.json").read_text())["runs"][-1]
     assert run["ray_workers"] == 2 and run["worker_restarts"] == 0
+    # each worker's engine check, here skipped: transformers' captures are its own forward pass
+    assert run["engine_checks"] == [{"skipped": "the hf engine: its captures are its own forward pass"}] * 2
 
 
 def test_started_in_one_process_finished_on_ray_with_a_worker_killed_mid_shard(

@@ -365,7 +365,11 @@ def test_cli_sigterm_drains_the_request_in_flight_and_stops_the_engine(tiny_llam
             assert engine_procs and captures, "expected vLLM's engine processes and a capture directory"
         selected, mask = _mapping()
         client = nemo_remote.RemoteEagle3TargetModel([url], device="cpu", max_retries=0)
-        assert client.model_info()["engine"] == ENGINE
+        info = client.model_info()
+        assert info["engine"] == ENGINE
+        if ENGINE == "vllm":  # checked against the engine's own log-probs before it served
+            assert info["engine_check"]["positions"] > 0, info["engine_check"]
+            assert info["engine_check"]["max_abs_err"] <= info["engine_check"]["tolerance"]
         client.set_vocab_mapping(selected, mask)
         ids, am, lm = _batch(seed=41, lengths=(1000,) * 4)  # a second or more of work: in flight at SIGTERM
         handle = client.generate_batch_async(ids, am, lm)

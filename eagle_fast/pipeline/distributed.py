@@ -33,10 +33,10 @@ import torch
 from eagle_fast.errors import UserError
 from eagle_fast.files import atomic_write_bytes
 from eagle_fast.inputs import ShardPlan, plan_batches
+from eagle_fast.pipeline.engine_setup import build_runner, check_sequences, engine_check
 from eagle_fast.pipeline.prepare import Prepared, clean_temps
 from eagle_fast.pipeline.run import (
     ShardWriter,
-    build_runner,
     capture_batches,
     new_progress,
     record_shard,
@@ -149,6 +149,8 @@ class _Job:
     queue_batches: int
     threads: int | None
     factory: Any
+    check: list  # the engine check's sequences (engine_setup.check_sequences), run on every build
+    engine_check: bool = True
 
 
 class _ShardWorker:
@@ -161,6 +163,7 @@ class _ShardWorker:
         self.index = index
         self.job = job
         self.runner = None
+        self.checked: dict = {}  # the engine check of the runner built last
         self.writer: ShardWriter | None = None
         self.committed: dict[int, dict] = {}
         self.cond = threading.Condition()
@@ -197,13 +200,19 @@ class _ShardWorker:
     def build(self) -> dict:
         with self.engine:
             self._ensure()
-        return self.where()
+        return {**self.where(), "engine_check": self.checked}
 
     def _ensure(self) -> None:
         if self.runner is not None:
             return
         j = self.job
-        self.runner = build_runner(j.factory, j.engine, j.model, j.dtype, j.max_len, j.aux_layer_ids)
+        runner = build_runner(j.factory, j.engine, j.model, j.dtype, j.max_len, j.aux_layer_ids)
+        try:
+            self.checked = engine_check(runner, j.engine, j.check, j.engine_check)
+        except BaseException:
+            runner.close()
+            raise
+        self.runner = runner
         self.layout = make_layout(j.spec)
         self.writer = ShardWriter(self.layout, Path(j.root), self._committed, None, maxsize=max(1, j.queue_batches))
         self.writer.start()
@@ -280,7 +289,8 @@ class _Pool:
         count = min(wanted, len(p.pending))
         job = _Job(p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples), p.aux_layer_ids,
                    p.spec, str(Path(opts.worker_out or p.root).resolve()), p.draft_ids, p.spec.k,
-                   p.cfg.batch_tokens, p.cfg.queue_batches, None if gpus else max(1, int(cpus)), factory)
+                   p.cfg.batch_tokens, p.cfg.queue_batches, None if gpus else max(1, int(cpus)), factory,
+                   check_sequences(p), p.cfg.engine_check)
         # The driver's engine-path choice (the CLI selects vLLM's V1 runner) reaches every worker,
         # also on nodes whose Ray was started without it.
         env = {k: os.environ[k] for k in V1_RUNNER_ENV if k in os.environ}
@@ -331,7 +341,9 @@ class _Pool:
     def run(self, p: Prepared, on_shard=None) -> tuple[float, float, dict]:
         """Every pending shard, committed and recorded; (build, loop) seconds and run stats."""
         t_build = time.perf_counter()
+        checks = []
         for i, w in enumerate(self._get([a.build.remote() for a in self.actors], "build the runners of")):
+            checks.append(w.pop("engine_check"))
             self.where[i] = w
         build_seconds = time.perf_counter() - t_build
         progress = new_progress(p)
@@ -340,7 +352,7 @@ class _Pool:
             self._loop(p, progress, on_shard)
         finally:
             progress.close()
-        return build_seconds, time.perf_counter() - t_loop, {"ray_workers": len(self.actors),
+        return build_seconds, time.perf_counter() - t_loop, {"engine_checks": checks, "ray_workers": len(self.actors),
                                                              "worker_restarts": self.restarts}
 
     def _loop(self, p: Prepared, progress, on_shard) -> None:

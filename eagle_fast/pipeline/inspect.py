@@ -77,7 +77,19 @@ def inspect_text(directory: str) -> str:
     for r in m.get("runs", [])[-3:]:
         lines.append(f"run         {r['samples']:,} samples on {r['engine']} at {r['tokens_per_second'] or 0:,.0f} "
                      f"tokens/s (build {r['build_seconds']:.1f} s)")
+        for check in ([r["engine_check"]] if "engine_check" in r else r.get("engine_checks", [])):
+            lines.append("  engine    " + engine_check_text(check))
     return "\n".join(lines)
+
+
+def engine_check_text(check: dict) -> str:
+    """One line for a run's engine check (`pipeline.engine_setup.engine_check`'s figures)."""
+    if "skipped" in check:
+        return f"check skipped: {check['skipped']}"
+    return (f"check passed: captures vs vLLM's prompt log-probs, max |diff| {check['max_abs_err']:.2g} "
+            f"(tolerance {check['tolerance']:.2g}) over {check['positions']:,} positions of "
+            f"{check['sequences']} sequences, top-1 agreement {100 * check['top1_agreement']:.1f} %, "
+            f"{check['seconds']:.2f} s")
 
 
 # ---------------------------------------------------------------------------- show-mask

@@ -39,6 +39,12 @@ from eagle_fast import __version__
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import SamplePlan, ShardPlan, plan_batches
 from eagle_fast.pipeline.config import ExtractConfig, Summary, fmt_secs
+from eagle_fast.pipeline.engine_setup import (
+    build_runner,
+    check_sequences,
+    engine_check,
+    head_in_worker_settings,
+)
 from eagle_fast.pipeline.prepare import (
     Prepared,
     clean_temps,
@@ -344,8 +350,7 @@ def _extract_in(p, cfg: ExtractConfig, factory: Callable, pool, on_shard, t_star
         logger.info(f"{len(p.plan.samples):,} samples ({p.plan.tokens:,} tokens) in {len(p.shards)} shards; "
                     f"this run: {len(p.pending)} shards, {pending_samples:,} samples -> {p.root}")
         if pool is None:
-            build_seconds, engine_seconds = _run_here(p, factory, on_shard)
-            run_info: dict = {}
+            build_seconds, engine_seconds, run_info = _run_here(p, factory, on_shard)
         else:
             build_seconds, engine_seconds, run_info = pool.run(p, on_shard)
         finished = True
@@ -379,75 +384,20 @@ def record_shard(p: Prepared, rec: dict) -> None:
     write_manifest(p)
 
 
-def build_runner(factory: Callable, engine: str, model: str, dtype: torch.dtype, max_len: int,
-                 aux_layer_ids: list[int], worker_supervision: dict | None = None):
-    """The engine's runner with its aux layers set (the vLLM engine starts here), dtype checked;
-    with `worker_supervision` (`head_in_worker_settings`) the head runs in the engine's worker."""
-    runner = factory(engine, model, dtype, max_len)
+def _run_here(p: Prepared, factory: Callable, on_shard: Callable[[int], None] | None) -> tuple[float, float, dict]:
+    """The pending shards through one runner in this process; (build, engine-loop) seconds and
+    the run's statistics (the engine check's figures)."""
+    logger.info(f"starting the {p.engine} engine for {p.info.path} ({p.cfg.dtype})")
+    t_build = time.perf_counter()
+    in_worker = head_in_worker_settings(p.cfg, p)
+    runner = build_runner(factory, p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples),
+                          p.aux_layer_ids, in_worker)
+    build_seconds = time.perf_counter() - t_build
     try:
-        if worker_supervision is not None:
-            enable_worker_supervision(runner, worker_supervision, aux_layer_ids)
-        runner.set_aux_layers(aux_layer_ids)
-        if getattr(runner, "dtype", dtype) != dtype:
-            raise RuntimeError(f"the engine runs in {runner.dtype}, the extraction asked for {dtype}")
-        mml = getattr(runner, "max_model_len", None)
-        if mml is not None and max_len > int(mml):
-            raise UserError(f"the longest sample has {max_len} tokens but the engine allows {mml}",
-                            f"pass --max-len {mml} or less")
+        check = engine_check(runner, p.engine, check_sequences(p), p.cfg.engine_check, in_worker is not None)
     except BaseException:
         runner.close()
         raise
-    return runner
-
-
-def head_in_worker_settings(cfg: ExtractConfig, p: Prepared, ray: Any = None) -> dict | None:
-    """`set_worker_supervision`'s arguments for this run when `cfg.head_in_worker` asks for them
-    (else None); a UserError names what rules it out: another engine, Ray, or a layout that stores
-    the final hidden state or no head output. The bytes rule is `enable_worker_supervision`'s."""
-    if not cfg.head_in_worker:
-        return None
-    layout = p.layout
-    problem = (f"the {p.engine} engine runs no vLLM worker" if p.engine != "vllm" else
-               "Ray workers build their runners without it" if ray is not None else
-               f"--supervision {p.kind} stores the final hidden state itself" if layout.needs_final_hidden()
-               else f"--supervision {p.kind} runs no head" if layout.head_outputs() is None else None)
-    if problem:
-        raise UserError(f"--head-in-worker cannot work here: {problem}",
-                        "drop --head-in-worker (head_in_worker=False): the file path runs the head here")
-    ids = None
-    if {"draft", "draft_topk"} & set(layout.head_outputs()):
-        ids = p.draft_ids if p.draft_ids is not None else torch.arange(layout.spec.vocab_size)
-    return {"outputs": layout.head_outputs(), "k": p.spec.k, "draft_ids": ids,
-            "out_dtype": layout.head_out_dtype(), "fields": layout.head_fields()}
-
-
-def enable_worker_supervision(runner, settings: dict, aux_layer_ids: list[int]) -> None:
-    """Ask `runner` (before its engine starts) for supervision from the engine's worker, where it
-    stages fewer bytes per token than the file path; else a UserError with the numbers."""
-    if not callable(getattr(runner, "set_worker_supervision", None)):
-        raise UserError(f"--head-in-worker: the runner {type(runner).__name__} cannot run the head in its worker",
-                        "drop --head-in-worker, or use eagle_fast's VLLMTargetRunner")
-    runner.set_worker_supervision(**settings)
-    file_b, worker_b = runner.worker_staging(aux_layer_ids)
-    if worker_b >= file_b:
-        runner.set_worker_supervision(None)
-        last = runner.num_layers - 1
-        why = (f"aux layer {last} is the last layer, whose capture is the final hidden state itself, so "
-               "the worker keeps nothing back" if last in aux_layer_ids else "the supervision asked for is "
-               f"not smaller than the final hidden state it replaces (H={runner.hidden_size})")
-        raise UserError(f"--head-in-worker would stage {worker_b:,} bytes per token against the file "
-                        f"path's {file_b:,}: {why}",
-                        "drop --head-in-worker here (it pays for draft-topk, topk and lse when no aux "
-                        "layer is the last one)")
-
-
-def _run_here(p: Prepared, factory: Callable, on_shard: Callable[[int], None] | None) -> tuple[float, float]:
-    """The pending shards through one runner in this process; (build, engine-loop) seconds."""
-    logger.info(f"starting the {p.engine} engine for {p.info.path} ({p.cfg.dtype})")
-    t_build = time.perf_counter()
-    runner = build_runner(factory, p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples),
-                          p.aux_layer_ids, head_in_worker_settings(p.cfg, p))
-    build_seconds = time.perf_counter() - t_build
     progress = new_progress(p)
     writer = ShardWriter(p.layout, p.root, lambda rec: record_shard(p, rec), progress,
                      maxsize=max(1, p.cfg.queue_batches))
@@ -477,7 +427,7 @@ def _run_here(p: Prepared, factory: Callable, on_shard: Callable[[int], None] | 
         progress.close()
         with contextlib.suppress(Exception):  # never mask the run's own outcome
             runner.close()
-    return build_seconds, loop_seconds
+    return build_seconds, loop_seconds, {"engine_check": check}
 
 
 def capture_batches(runner, batches):

@@ -20,7 +20,10 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from eagle_fast.errors import UserError
 from eagle_fast.runners import _vllm_compat as compat
@@ -217,8 +220,6 @@ CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def _on_cpu_engine() -> bool:
-    import torch
-
     return not torch.cuda.is_available()
 
 
@@ -228,8 +229,6 @@ def allowed_cpus() -> list[int]:
 
 def numa_nodes(cpus: list[int], root: str = "/sys/devices/system/node") -> int:
     """How many NUMA nodes hold at least one of `cpus` (1 where the kernel shows none)."""
-    from pathlib import Path
-
     nodes = 0
     for node in sorted(Path(root).glob("node[0-9]*")):
         try:
@@ -293,3 +292,23 @@ def check_cpu_thread_binding(tp: int, environ) -> None:
         raise UserError(f"{CPU_BIND_ENV}={value!r} names CPUs for {len(ranks)} ranks, and the run has "
                         f"--tensor-parallel-size {tp}", f"give one CPU list per rank, e.g. "
                         f"{CPU_BIND_ENV}={cpu_thread_binding(tp, cpus)!r}")
+
+
+# An eager engine (--enforce-eager, on by default) compiles nothing of the model, but vLLM still
+# torch.compiles a helper of its log-prob path (`batched_count_greater_than`) on the first request
+# that asks for log-probs: inductor, about 3 s per engine process on a 2-core CPU, which the engine
+# check (one such request) would pay on every run. TORCHDYNAMO_DISABLE=1 in the engine's processes
+# runs that helper eagerly, as everything else in an eager engine runs.
+EAGER_ENV = {"TORCHDYNAMO_DISABLE": "1"}
+
+
+def eager_engine_env(settings: VLLMSettings, environ) -> bool:
+    """For entry points only (it changes the given environment, usually `os.environ`, which the
+    engine's processes inherit): with an eager engine and no compile settings of the user's, turn
+    torch.compile off. Returns whether it did; a value the user set is kept."""
+    kwargs = settings.merged()
+    if kwargs.get("enforce_eager") is False or "compilation_config" in kwargs:
+        return False
+    for key, value in EAGER_ENV.items():
+        environ.setdefault(key, value)
+    return True

@@ -475,14 +475,17 @@ class VLLMTargetRunner(RunnerBase):
     ) -> dict[str, float]:
         """Rebuild log-probs from the captured final hidden state and diff them against vLLM's.
 
-        Returns `{"top1_agreement": fraction, "max_abs_err": float, "positions": n}` over every
-        position vLLM reports (its top-`num_logprobs` ids plus the prompt token). A wrong
-        final-hidden capture shows here first.
+        Returns `{"top1_agreement": fraction, "max_abs_err": float, "positions": n,
+        "max_abs_logit": float}` over every position vLLM reports (its top-`num_logprobs` ids plus
+        the prompt token); max_abs_logit, our largest |logit| there, scales a 16-bit tolerance. A
+        wrong final-hidden capture shows here first.
         """
         engine_lps, captures = self.engine_prompt_logprobs(sequences, num_logprobs)
-        agree, total, max_err = 0, 0, 0.0
+        agree, total, max_err, max_logit = 0, 0, 0.0, 0.0
         for lps, (_, final) in zip(engine_lps, captures):
-            ours = self.head.compute(final, ("logprobs",)).logprobs.float().cpu()
+            out = self.head.compute(final, ("logprobs", "lse"))
+            ours = out.logprobs.float().cpu()
+            max_logit = max(max_logit, float((ours + out.lse.float().cpu()[:, None])[:-1].abs().max()))
             for t in range(1, len(lps)):
                 entry = lps[t]
                 ids = torch.tensor(list(entry))
@@ -491,4 +494,5 @@ class VLLMTargetRunner(RunnerBase):
                 top = max(entry, key=entry.get)
                 agree += int(int(ours[t - 1].argmax()) == top)
                 total += 1
-        return {"top1_agreement": agree / max(total, 1), "max_abs_err": max_err, "positions": total}
+        return {"top1_agreement": agree / max(total, 1), "max_abs_err": max_err, "positions": total,
+                "max_abs_logit": max_logit}

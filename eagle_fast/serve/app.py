@@ -39,6 +39,7 @@ from eagle_fast.checkpoint import load_model_info, resolve_dtype_name
 from eagle_fast.dtypes import SHORT_NAMES, long_name
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import resolve_max_len
+from eagle_fast.pipeline.engine_setup import engine_check
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.factory import (
     check_vllm_settings,
@@ -75,6 +76,16 @@ class ServeConfig:
     keep_mass: float | None = None        # draft-topk: per token the fewest ids holding this draft mass
     tail: str = "spread"                  # draft-topk: spread | drop | renormalize (supervision.TAIL_MODES)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
+    engine_check: bool = True  # vLLM: captures against the engine's own log-probs before serving
+
+
+# The engine check's rows when the server starts (it has no data): fixed pseudo-random token ids.
+CHECK_ROWS, CHECK_ROW_TOKENS = 2, 128
+
+
+def check_rows(vocab_size: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (CHECK_ROWS, CHECK_ROW_TOKENS), generator=g).tolist()
 
 
 class TargetServer:
@@ -118,11 +129,14 @@ class TargetServer:
             runner = factory(self.engine_name, cfg.model, self.dtype, self.max_len)
             try:
                 runner.set_aux_layers(self.aux_layer_ids)
+                self.engine_check = engine_check(runner, self.engine_name, check_rows(self.info.vocab_size),
+                                                 cfg.engine_check)
             except BaseException:
                 runner.close()
                 raise
             return runner
 
+        self.engine_check: dict | None = None  # its figures once the engine is built
         self.engine = Engine(build)
         self.batcher = Batcher(self.engine, self.probs_dtype, cfg.max_batch_tokens, self.target)
         self.mapping: P.VocabMapping | None = None
@@ -143,7 +157,7 @@ class TargetServer:
                 "supervision": self.target.kind,
                 **({"k": self.target.k, "keep_mass": self.target.keep_mass, "tail": self.target.tail}
                    if self.target.kind == "draft-topk" else {}),
-                "server": f"eagle-fast {__version__}"}
+                "engine_check": self.engine_check, "server": f"eagle-fast {__version__}"}
 
     def health(self) -> tuple[int, dict]:
         ready = self.engine.runner is not None
