@@ -157,7 +157,7 @@ def encode_chat(tok, messages: list[dict], fmt: ChatFormat) -> tuple[list[int], 
     msgs = for_template(messages, template)
     text = render(tok, msgs, fmt, template)
     enc = tok(text, add_special_tokens=False)
-    if not getattr(enc, "is_fast", False) and not hasattr(enc, "char_to_token"):
+    if not enc.is_fast:
         raise ChatMaskError("masking chats needs a fast tokenizer (tokenizer.json) for character offsets")
     ids = list(enc["input_ids"])
     if GENERATION_RE.search(template):
@@ -260,13 +260,19 @@ def _swap(msgs: list[dict], i: int, probe: str) -> list[dict]:
     return msgs[:i] + [m] + msgs[i + 1:]
 
 
-def special_spans(tok, text: str, start: int, stop: int) -> list[tuple[int, int, str]]:
-    """(start, end, token) of each special token written in text[start:stop], in order."""
+@functools.lru_cache(maxsize=16)
+def _special_pattern(tok) -> re.Pattern | None:
     specials = sorted(set(tok.all_special_tokens) | {t.content for t in tok.added_tokens_decoder.values()
                                                       if t.special}, key=len, reverse=True)
-    if not specials:
+    specials = [s for s in specials if s]
+    return re.compile("|".join(map(re.escape, specials))) if specials else None
+
+
+def special_spans(tok, text: str, start: int, stop: int) -> list[tuple[int, int, str]]:
+    """(start, end, token) of each special token written in text[start:stop], in order."""
+    pattern = _special_pattern(tok)
+    if pattern is None:
         return []
-    pattern = re.compile("|".join(re.escape(s) for s in specials if s))
     return [(m.start(), m.end(), m.group()) for m in pattern.finditer(text, start, stop)]
 
 
