@@ -321,3 +321,48 @@ def test_engine_check_stops_a_final_slot_one_layer_early(tiny_llama, inputs, tmp
     err = capsys.readouterr().err
     assert code == 2 and "engine check:" in err and "tolerance 0.001" in err and "fix:" in err, err[-3000:]
     assert not out.exists()
+
+
+class _Perturbed:
+    """A shared runner whose captured final hidden states get a fixed offset: another engine's
+    numerics (for "hf"), or a capture unlike the engine's own (for "vllm"). close() is a no-op."""
+
+    def __init__(self, runner, offset: float):
+        self._runner, self._offset = runner, offset
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def set_aux_layers(self, ids):
+        self._runner.set_aux_layers(ids)
+
+    def capture(self, sequences):
+        g = torch.Generator().manual_seed(0)
+        return [(aux, final + self._offset * torch.randn(final.shape, generator=g).to(final.dtype))
+                for aux, final in self._runner.capture(sequences)]
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("engine_too", [False, True], ids=["engine-numerics", "capture-unlike-engine"])
+def test_verify_tells_the_engines_numerics_from_a_defect(reference, tiny_llama, hf_llama, shared, engine_too):
+    """transformers made to differ from the stored vLLM data: verify recomputes on vLLM too; data
+    equal to the engine's is the engine's numerics (a warning, passed with the flag), data unlike
+    the engine's is a defect (failed, with or without it)."""
+    from eagle_fast.pipeline.verify import verify_report
+
+    def factory(engine, *_):
+        return _Perturbed(hf_llama, 0.5) if engine == "hf" else (_Perturbed(shared, 0.5) if engine_too else shared)
+
+    for accept in (False, True):
+        ok, reports, picks = verify(str(reference), str(tiny_llama), samples=4, runner_factory=factory,
+                                    accept_engine_numerics=accept)
+        text = verify_report(ok, reports, picks, str(reference))
+        assert {r.against for r in reports} == {"transformers", "engine"}
+        assert not all(r.ok for r in reports if r.against == "transformers")
+        if engine_too:
+            assert not ok and "capture vs engine" in text and "a defect" in text, text
+        else:
+            assert ok == accept and "engine vs transformers" in text and "draft_logprobs" in text, text
+            assert ("--accept-engine-numerics" in text) != accept, text
