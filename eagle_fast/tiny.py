@@ -70,6 +70,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
     ),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+    # MoE: a few small experts, two per token, on every layer.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 

