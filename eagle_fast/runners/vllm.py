@@ -485,7 +485,8 @@ class VLLMTargetRunner(RunnerBase):
         for lps, (_, final) in zip(engine_lps, captures):
             out = self.head.compute(final, ("logprobs", "lse"))
             ours = out.logprobs.float().cpu()
-            max_logit = max(max_logit, float((ours + out.lse.float().cpu()[:, None])[:-1].abs().max()))
+            if ours.shape[0] > 1:  # rows vLLM reports on: all but the last
+                max_logit = max(max_logit, float((ours + out.lse.float().cpu()[:, None])[:-1].abs().max()))
             for t in range(1, len(lps)):
                 entry = lps[t]
                 ids = torch.tensor(list(entry))
