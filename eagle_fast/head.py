@@ -47,6 +47,7 @@ _RMS = "rms"
 _ONE_PLUS = "rms_one_plus"
 _ARCH_HEADS: dict[str, tuple[str, str | None, str | None]] = {
     "llama": (_RMS, None, None),
+    "llama4_text": (_RMS, None, None),
     "mistral": (_RMS, None, None),
     "mixtral": (_RMS, None, None),
     "qwen2": (_RMS, None, None),

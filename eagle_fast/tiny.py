@@ -77,6 +77,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Llama-4 text: MoE on every layer, QK norm, no-RoPE layers; chunked attention at vLLM's
+    # smallest chunk (a multiple of its 128-token KV block).
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128,
+                     "interleave_moe_layer_step": 1, "attention_chunk_size": 128}),
 }
 
 
@@ -176,7 +181,7 @@ def _random_model(spec: TinySpec):
 
     config_name, model_name, family = FAMILIES[spec.arch]
     Model = getattr(transformers, model_name)
-    cfg = getattr(transformers, config_name)(**common, **family)
+    cfg = getattr(transformers, config_name)(**{**common, **family})  # a family's own values win
     torch.manual_seed(spec.seed)
     model = Model(cfg)
     # Random norm weights (not all ones) so a missed or mis-ordered norm shows in tests.

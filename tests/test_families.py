@@ -9,8 +9,8 @@ that drops its family's rule is shown to miss by far more than the tolerance.
 
 Families vLLM cannot capture (no EAGLE-3 aux outputs in its model class: Gemma-2/3 and Mixtral in
 0.32) are refused before any engine starts, and `extract --engine auto` falls back to
-transformers. MoE: Qwen3-MoE (vLLM and transformers), Mixtral (transformers). gpt-oss: vLLM's
-model computes other numbers than transformers', which the run names up front.
+transformers. MoE: Qwen3-MoE and Llama-4 text (vLLM and transformers), Mixtral (transformers).
+gpt-oss: vLLM's model computes other numbers than transformers', which the run names up front.
 One vLLM engine per capturable family (~20-30 s each here), shared by that family's tests.
 """
 
@@ -47,6 +47,7 @@ FAMILIES = {
     "qwen3_moe": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
     "mixtral": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, False),
     "gpt_oss": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
+    "llama4_text": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
 }
 # vLLM captures these, but its model computes other numbers than transformers' (named before the
 # run: runners.factory.ENGINE_DIFFERS), so no vLLM engine of theirs is held to transformers here.
