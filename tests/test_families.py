@@ -48,10 +48,12 @@ FAMILIES = {
     "mixtral": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, False),
     "gpt_oss": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
     "llama4_text": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
+    "deepseek_v3": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
 }
-# vLLM captures these, but its model computes other numbers than transformers' (named before the
-# run: runners.factory.ENGINE_DIFFERS), so no vLLM engine of theirs is held to transformers here.
-ENGINE_DIFFERS = {"gpt_oss"}
+# vLLM declares capture for these, but no vLLM engine of theirs is held to transformers here:
+# gpt-oss's computes other numbers (named before the run: runners.factory.ENGINE_DIFFERS);
+# DeepSeek-V3's loader wants `e_score_correction_bias`, which transformers' tiny checkpoint lacks.
+ENGINE_DIFFERS = {"gpt_oss", "deepseek_v3"}
 CAPTURABLE = [arch for arch, (_, _, ok) in FAMILIES.items() if ok and arch not in ENGINE_DIFFERS]
 # What a head that ignored the family's rule would compute instead.
 NEUTRAL = {"norm": "rms", "logit_scale": 1.0, "softcap": None}
