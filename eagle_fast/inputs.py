@@ -42,6 +42,7 @@ class Record:
     kind: str          # input_ids | text | messages
     value: Any
     loss_mask: list[int] | None = None
+    source_line: int | None = None  # the line of the original data (a `regenerate` output's rows say)
 
 
 _FIX_FORMAT = ('make each line one JSON object with "messages" (chat), "text", or "input_ids" '
@@ -99,6 +100,17 @@ def parse_line(path: str, line: int, raw: str) -> Record:
         raise bad_line(path, line, f"invalid JSON ({exc.msg} at column {exc.colno})", _FIX_FORMAT) from None
     if not isinstance(obj, dict):
         raise bad_line(path, line, f"expected a JSON object, got {type(obj).__name__}", _FIX_FORMAT)
+    rec = _parse_object(path, line, obj)
+    source = obj.get("source_line")
+    if source is not None:
+        if isinstance(source, bool) or not isinstance(source, int) or source < 1:
+            raise bad_line(path, line, f'"source_line" must be a positive line number, got {source!r}',
+                           "drop the field, or give the line of the original data it came from")
+        rec.source_line = source
+    return rec
+
+
+def _parse_object(path: str, line: int, obj: dict) -> Record:
     if "input_ids" in obj:
         ids = obj["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -234,6 +246,7 @@ class SamplePlan:
     line: int
     input_ids: list[int]
     loss_mask: list[int]
+    source_line: int | None = None  # the original data's line, when the row names one (else `line`)
 
     @property
     def length(self) -> int:
@@ -292,7 +305,7 @@ def plan_inputs(path: str | os.PathLike, tok, vocab_size: int, *, max_len: int, 
             plan.truncated += 1
         if not any(mask):
             plan.no_loss += 1
-        plan.samples.append(SamplePlan(len(plan.samples), rec.line, ids, mask))
+        plan.samples.append(SamplePlan(len(plan.samples), rec.line, ids, mask, rec.source_line))
     if not plan.samples:
         raise UserError(
             f"no sample of {path} fits --max-len {max_len} (all {plan.skipped} skipped)",

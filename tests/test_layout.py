@@ -37,6 +37,7 @@ STAGES = [
     ("vocab", ("eagle_fast.vocab",)),
     ("pipeline", ("eagle_fast.pipeline",)),
     ("serve", ("eagle_fast.serve",)),
+    ("loop", ("eagle_fast.loop",)),
     ("cli", ("eagle_fast.demo", "eagle_fast.cli", "eagle_fast.__main__")),
 ]
 

