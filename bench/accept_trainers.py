@@ -235,6 +235,18 @@ def train_speculators(model_dir: Path, data_dir: Path, aux_layers: list[int], dr
     return model, losses
 
 
+def save_speculators_draft(model, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A speculators Eagle3DraftModel saved as its trainer's checkpointer saves an epoch (its own
+    save_pretrained, the weights in `dtype`, config.json's dtype patched to match): the
+    `speculators_model_type: eagle3` layout vLLM loads (`eagle-fast accept --draft out_dir`)."""
+    from speculators.train.checkpointer import convert_float_dtype, patch_config_dtype
+
+    out = Path(out_dir)
+    model.save_pretrained(out, state_dict=convert_float_dtype(model.state_dict(), dtype))
+    patch_config_dtype(out / "config.json", dtype)
+    return out
+
+
 @torch.no_grad()
 def speculators_predict(model, sample: dict) -> list[torch.Tensor]:
     """Its Eagle3DraftModel.forward without targets: the greedy draft ids of every TTT step."""

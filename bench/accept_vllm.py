@@ -7,25 +7,23 @@ What it does
       prefix and the `d2t`/`t2d` buffers), then converts it with NeMo's own
       `serve_vllm.resolve_draft_artifacts` (strips the `model.` prefix into `vllm_export/`
       and rewrites architectures -> `LlamaForCausalLMEagle3`). Returns the vLLM-loadable dir.
-    - `measure_vllm_acceptance(target_dir, draft_dir, prompts, ...)`: runs vLLM greedy with
-      `speculative_config={"method": "eagle3", ...}` in a SUBPROCESS (its own process group,
-      killed on timeout), generates from token-id prompts and reads vLLM's own spec-decode
-      counters (`LLM.get_metrics()`: vllm:spec_decode_num_drafts, ..._num_draft_tokens,
-      ..._num_accepted_tokens, ..._num_accepted_tokens_per_pos). Never raises for a vLLM
-      failure: returns {"ok": False, "stage", "error", "reason"} instead.
+    - `measure_vllm_acceptance(target_dir, draft_dir, prompts, ...)`: runs the product,
+      `eagle-fast accept` (vLLM with `speculative_config={"method": "eagle3", ...}`, its own
+      spec-decode counters), in a SUBPROCESS (its own process group, killed on timeout) on the
+      token-id prompts written as `input_ids` rows, and reads its --json result. Never raises for
+      a failed run: returns {"ok": False, "stage", "error", "reason"} instead.
     - `python bench/accept_vllm.py [--dtype float32|bfloat16] [--k 3]`: a probe that builds the
       trained tiny Qwen3 target, a random (untrained) NeMo draft over its 512 most frequent
       ids, a few chat prompts, and prints the JSON result.
 
 Conventions
     mean_acceptance_length = 1 + accepted / drafts (vLLM's own definition: the bonus token
-    counts), acceptance_rate_per_position[i] = accepted_at_pos_i / drafts.
-    torch / vllm / transformers are imported inside functions only.
+    counts), acceptance_rate_per_position[i] = accepted_at_pos_i / drafts (`eagle-fast accept`'s).
+    torch / transformers / nemo_automodel are imported inside functions only.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -38,6 +36,7 @@ from pathlib import Path
 _HERE = Path(__file__).resolve()
 _REPO = _HERE.parent.parent
 
+_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -103,143 +102,41 @@ def save_vllm_draft(draft_model, out_dir, *, aux_layer_ids=None) -> Path:
 
 # --------------------------------------------------------------------------- measurement
 _REASONS = {
-    "import": "vLLM could not be imported in the worker interpreter, so no engine was built.",
-    "engine_init": (
-        "vLLM rejected the configuration or failed while building the target+EAGLE-3 engine "
-        "(config validation, model/draft loading, KV-cache or attention-backend setup); the "
-        "error above is the first exception raised."
-    ),
-    "generate": "The engine started but failed while running speculative decoding steps.",
-    "metrics": "Generation ran but vLLM's spec-decode metrics were missing (stats disabled or no drafts).",
-    "timeout": "The vLLM worker did not finish within timeout_s and was killed (its whole process group).",
-    "worker": "The worker subprocess died without writing a result (crash, OOM kill or signal).",
+    "refused": "`eagle-fast accept` refused the run before any engine started (the draft does not fit the "
+               "target, or a setting is wrong); the error above names the mismatch.",
+    "engine": "`eagle-fast accept` failed while building or running the target+EAGLE-3 engine; the log tail "
+              "shows vLLM's error.",
+    "timeout": "`eagle-fast accept` did not finish within timeout_s and was killed (its whole process group).",
 }
-
-
-def _worker(spec_path: str) -> None:
-    """Runs inside the subprocess: build the engine, generate, write the result JSON."""
-    spec = json.loads(Path(spec_path).read_text())
-    result_path = Path(spec["result_path"])
-
-    def done(res: dict) -> None:
-        result_path.write_text(json.dumps(res))
-
-    def fail(stage: str, exc: BaseException) -> None:
-        import traceback
-
-        tb = traceback.extract_tb(exc.__traceback__)
-        where = [f"{f.filename}:{f.lineno} in {f.name}" for f in tb if "/vllm/" in f.filename]
-        done({"ok": False, "stage": stage, "error": f"{type(exc).__name__}: {exc}",
-              "raised_at": where[-1] if where else (f"{tb[-1].filename}:{tb[-1].lineno}" if tb else None),
-              "traceback": traceback.format_exc()[-6000:], "reason": _REASONS[stage]})
-
-    try:
-        from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
-    except BaseException as e:  # noqa: BLE001
-        fail("import", e)
-        return
-    t0 = time.perf_counter()
-    try:
-        kwargs = {
-            "model": spec["target_dir"],
-            "speculative_config": {"method": "eagle3", "model": spec["draft_dir"],
-                                "num_speculative_tokens": spec["num_speculative_tokens"]},
-            "dtype": spec["dtype"],
-            "max_model_len": spec["max_model_len"],
-            "enforce_eager": spec["enforce_eager"],
-            "disable_log_stats": False,
-            "seed": 0,
-        }
-        kwargs.update(spec.get("llm_kwargs") or {})
-        llm = LLM(**kwargs)
-    except BaseException as e:  # noqa: BLE001
-        fail("engine_init", e)
-        return
-    t_init = time.perf_counter() - t0
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec["ignore_eos"])
-        t1 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]], params, use_tqdm=False)
-        t_gen = time.perf_counter() - t1
-        outputs = [list(o.outputs[0].token_ids) for o in outs]
-    except BaseException as e:  # noqa: BLE001
-        fail("generate", e)
-        _shutdown(llm)
-        return
-    try:
-        drafts = draft_tokens = accepted = None
-        per_pos: list[int] = []
-        for m in llm.get_metrics():
-            if m.name == "vllm:spec_decode_num_drafts":
-                drafts = (drafts or 0) + m.value
-            elif m.name == "vllm:spec_decode_num_draft_tokens":
-                draft_tokens = (draft_tokens or 0) + m.value
-            elif m.name == "vllm:spec_decode_num_accepted_tokens":
-                accepted = (accepted or 0) + m.value
-            elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-                vals = list(m.values)
-                per_pos = [a + b for a, b in zip(per_pos, vals)] if per_pos else vals
-        if not drafts:
-            raise RuntimeError(f"spec-decode metrics absent or zero: num_drafts={drafts}")
-        done({
-            "ok": True,
-            "mean_acceptance_length": 1.0 + accepted / drafts,
-            "acceptance_rate_per_position": [v / drafts for v in per_pos],
-            "num_drafts": drafts,
-            "num_draft_tokens": draft_tokens,
-            "num_accepted_tokens": accepted,
-            "num_accepted_tokens_per_pos": per_pos,
-            "tokens_generated": sum(len(o) for o in outputs),
-            "seconds": round(t_init + t_gen, 2),
-            "seconds_engine_init": round(t_init, 2),
-            "seconds_generate": round(t_gen, 3),
-            "outputs": outputs,
-            "dtype": spec["dtype"],
-            "num_speculative_tokens": spec["num_speculative_tokens"],
-        })
-    except BaseException as e:  # noqa: BLE001
-        fail("metrics", e)
-    finally:
-        _shutdown(llm)
-
-
-def _shutdown(llm) -> None:
-    """Best effort: the worker process exits right after, and its process group is killed."""
-    with contextlib.suppress(Exception):
-        llm.llm_engine.engine_core.shutdown()
 
 
 def measure_vllm_acceptance(target_dir, draft_dir, prompts: list[list[int]], num_speculative_tokens=3,
                             max_tokens=32, timeout_s=600, *, dtype="float32", enforce_eager=True,
-                            max_model_len=1024, ignore_eos=True, llm_kwargs: dict | None = None,
+                            max_model_len=1024, llm_kwargs: dict | None = None,
                             python: str | None = None) -> dict:
-    """vLLM's own EAGLE-3 acceptance of `draft_dir` on `target_dir`, greedy, in a subprocess.
+    """vLLM's own EAGLE-3 acceptance of `draft_dir` on `target_dir`, greedy: `eagle-fast accept` (the
+    product) run in a subprocess on the token-id prompts, its --json result read back.
 
-    Returns {"ok": True, "mean_acceptance_length", "acceptance_rate_per_position", "num_drafts",
-    "num_accepted_tokens", "tokens_generated", "seconds", ...} or {"ok": False, "stage",
-    "error", "reason", ...}. `ignore_eos=True` makes every prompt run `max_tokens` steps.
+    Returns the product's JSON plus {"ok": True, "acceptance_rate_per_position", "tokens_generated",
+    "wall_seconds"}, or {"ok": False, "stage", "error", "reason", "log_tail"}.
     """
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="accept_vllm.") as tmp:
-        spec_path = Path(tmp) / "spec.json"
-        result_path = Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps({
-            "target_dir": str(target_dir), "draft_dir": str(draft_dir),
-            "prompts": [[int(t) for t in p] for p in prompts],
-            "num_speculative_tokens": int(num_speculative_tokens), "max_tokens": int(max_tokens),
-            "dtype": dtype, "enforce_eager": bool(enforce_eager), "max_model_len": int(max_model_len),
-            "ignore_eos": bool(ignore_eos), "llm_kwargs": llm_kwargs or {},
-            "result_path": str(result_path),
-        }))
+        data, result_path, log_path = Path(tmp) / "prompts.jsonl", Path(tmp) / "result.json", Path(tmp) / "log"
+        data.write_text("".join(json.dumps({"input_ids": [int(t) for t in p]}) + "\n" for p in prompts))
+        cmd = [python or sys.executable, "-m", "eagle_fast", "accept", "--model", str(target_dir),
+               "--draft", str(draft_dir), "--data", str(data), "--json", str(result_path),
+               "-k", str(int(num_speculative_tokens)), "--max-tokens", str(int(max_tokens)),
+               "--dtype", _DTYPES.get(dtype, dtype), "--max-model-len", str(int(max_model_len)),
+               "--enforce-eager" if enforce_eager else "--no-enforce-eager"]
+        if llm_kwargs:
+            cmd += ["--engine-args", json.dumps(llm_kwargs)]
         env = dict(os.environ)
         for k, v in _ENV_DEFAULTS.items():
             env.setdefault(k, v)
         env["PYTHONPATH"] = os.pathsep.join([str(_REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        log_path = Path(tmp) / "worker.log"
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen([python or sys.executable, str(_HERE), "--_worker", str(spec_path)],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(_REPO),
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(_REPO),
                                     start_new_session=True)
             timed_out = False
             try:
@@ -249,16 +146,18 @@ def measure_vllm_acceptance(target_dir, draft_dir, prompts: list[list[int]], num
             finally:
                 _kill_group(proc)
         tail = log_path.read_text(errors="replace")[-4000:]
-        if result_path.exists():
+        if result_path.exists() and proc.returncode == 0:
             res = json.loads(result_path.read_text())
+            res.update({"ok": True, "acceptance_rate_per_position": res["acceptance_per_position"],
+                        "tokens_generated": res["output_tokens"], "dtype": dtype})
         elif timed_out:
             res = {"ok": False, "stage": "timeout", "error": f"no result after {timeout_s} s",
-                   "reason": _REASONS["timeout"]}
+                   "reason": _REASONS["timeout"], "log_tail": tail}
         else:
-            res = {"ok": False, "stage": "worker", "error": f"worker exited with rc={proc.returncode}",
-                   "reason": _REASONS["worker"]}
-        if not res.get("ok"):
-            res["log_tail"] = tail
+            stage = "refused" if proc.returncode == 2 else "engine"
+            errors = [ln for ln in tail.splitlines() if ln.startswith("eagle-fast: error")]
+            res = {"ok": False, "stage": stage, "error": errors[-1] if errors else f"exit code {proc.returncode}",
+                   "reason": _REASONS[stage], "log_tail": tail}
         res["wall_seconds"] = round(time.perf_counter() - t0, 2)
         return res
 
@@ -343,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
         res = measure_vllm_acceptance(target_dir, draft_dir, prompts, num_speculative_tokens=args.k,
                                       max_tokens=args.max_tokens, timeout_s=args.timeout, dtype=args.dtype,
                                       enforce_eager=not args.no_eager)
-        res.pop("outputs", None)
         res.update({"target_dir": str(target_dir), "draft_dir": str(draft_dir),
                     "prompt_lens": [len(p) for p in prompts]})
         print(json.dumps(res, indent=1))
@@ -351,7 +249,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--_worker":
-        _worker(sys.argv[2])
-    else:
-        raise SystemExit(main())
+    raise SystemExit(main())

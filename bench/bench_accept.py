@@ -129,7 +129,7 @@ def qwen3_bytes(opt: dict) -> int:
         out_dtype=opt.get("out_dtype", "bf16"), aux_dtype=opt.get("aux_dtype", "auto"), **QWEN3_8B)
 
 
-def _extract(model, data: Path, vocab: Path, out: Path, opt: dict, max_len: int) -> dict:
+def extract_source(model, data: Path, vocab: Path, out: Path, opt: dict, max_len: int) -> dict:
     from eagle_fast.pipeline.config import ExtractConfig
     from eagle_fast.pipeline.run import extract
 
@@ -203,7 +203,7 @@ def sources(model, target, work: Path, vocab: Path, train_plan, ids, mask, k: in
     for name, opt in extract_options(k).items():
         if not wanted(name) and not (name == "native-bf16" and wanted("zero-aux")):
             continue
-        rec = _extract(model, data, vocab, work / name, opt, max_len)
+        rec = extract_source(model, data, vocab, work / name, opt, max_len)
         if opt.get("layout") == "nemo":
             got, e = A.nemo_cache_samples(work / name), A.nemo_cache_embeddings(work / name)
         else:
@@ -271,8 +271,7 @@ def _vllm(model, trainer, out: Path, prompts, aux_layers) -> dict:
 
     draft_dir = accept_vllm.save_vllm_draft(trainer.draft_model, out, aux_layer_ids=aux_layers)
     res = accept_vllm.measure_vllm_acceptance(model, draft_dir, prompts, num_speculative_tokens=VLLM_K,
-                                              max_tokens=VLLM_MAX_TOKENS, ignore_eos=False)
-    res.pop("outputs", None)
+                                              max_tokens=VLLM_MAX_TOKENS)
     if res.get("ok"):
         print(f"    vLLM (real speculative decoding, K={VLLM_K}): acceptance length "
               f"{res['mean_acceptance_length']:.4f}, per position {res['acceptance_rate_per_position']} "

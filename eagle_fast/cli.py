@@ -1,4 +1,4 @@
-"""`eagle-fast` command line: extract, vocab, verify, inspect, merge, serve, demo.
+"""`eagle-fast` command line: extract, vocab, verify, inspect, merge, serve, regenerate, accept, demo.
 
 User mistakes (bad paths, bad lines in the data, settings that clash with an existing
 dataset, ...) raise `UserError`; `main` prints its cause and fix on stderr and returns 2, with
@@ -19,6 +19,9 @@ from eagle_fast import __version__
 from eagle_fast.chat import ChatFormat
 from eagle_fast.demo import run_demo
 from eagle_fast.errors import UserError
+from eagle_fast.loop.accept import AcceptConfig, accept
+from eagle_fast.loop.engine import Sampling
+from eagle_fast.loop.regenerate import RegenerateConfig, regenerate
 from eagle_fast.memory import return_freed_memory
 from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.distributed import RayOptions
@@ -42,8 +45,10 @@ EXAMPLES = """\
 examples:
   eagle-fast demo
   eagle-fast vocab   --model ./Qwen3-8B --data chats.jsonl --size 32000 --out vocab.pt
-  eagle-fast extract --model ./Qwen3-8B --data chats.jsonl --out ds/ --draft-vocab vocab.pt
+  eagle-fast regenerate --model ./Qwen3-8B --data chats.jsonl --out regen.jsonl
+  eagle-fast extract --model ./Qwen3-8B --data regen.jsonl --out ds/ --draft-vocab vocab.pt
   eagle-fast verify  ds/ --model ./Qwen3-8B
+  eagle-fast accept  --model ./Qwen3-8B --draft ./my-eagle3 --data held_out.jsonl --json accept.json
   eagle-fast serve   --model ./Qwen3-8B --port 8001   (NeMo trainer: target_model_backend: remote)
   eagle-fast extract ... --out ds/ --shard 0/4      (one node of four; then `eagle-fast merge ds/`)
   eagle-fast extract ... --out sf/ --format specforge   (SpecForge: data.hidden_states_path: sf/)
@@ -61,12 +66,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
                    help="what to do with longer samples (default truncate; the count is reported)")
 
 
-def _add_chat_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("chat rendering (chat lines only; the same on vocab, extract and inspect)")
+def _add_chat_args(p: argparse.ArgumentParser, masks: bool = True) -> None:
+    g = p.add_argument_group("chat rendering (chat lines only; the same on every command)")
     g.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template to render chats with (default: the tokenizer's own)")
     g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help="extra template variables, as a JSON object, e.g. '{\"enable_thinking\": false}'")
+    if not masks:
+        p.set_defaults(supervise_empty_think=False)
+        return
     g.add_argument("--supervise-empty-think", action="store_true",
                    help="supervise the empty <think></think> block a template writes into a turn without "
                         "reasoning (default: not supervised)")
@@ -76,7 +84,7 @@ def _chat_format(a: argparse.Namespace) -> ChatFormat:
     return ChatFormat.from_args(a.chat_template, a.chat_template_kwargs, a.supervise_empty_think)
 
 
-def _add_vllm_args(p: argparse.ArgumentParser) -> None:
+def _add_vllm_args(p: argparse.ArgumentParser, capture: bool = True) -> None:
     g = p.add_argument_group("vLLM engine settings (vLLM's own names; the vllm engine only, refused with hf)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="GPUs one engine spans (default 1; on Ray, each worker takes N GPUs)")
@@ -91,7 +99,10 @@ def _add_vllm_args(p: argparse.ArgumentParser) -> None:
                         "little from graphs)")
     g.add_argument("--engine-args", default=None, metavar="JSON",
                    help="any other vllm.LLM argument, as a JSON object, e.g. '{\"max_num_seqs\": 64}' "
-                        "(the capture path's own arguments are refused)")
+                        "(the arguments the command sets itself are refused)")
+    if not capture:
+        p.set_defaults(capture_dir=None)
+        return
     g.add_argument("--capture-dir", default=None, metavar="DIR",
                    help="where the engine writes captures before they are read (default /dev/shm, else "
                         "TMPDIR); in containers with a small /dev/shm, a local disk")
@@ -242,11 +253,63 @@ def build_parser() -> argparse.ArgumentParser:
                         "rows against the engine's own; a difference keeps the server from serving)")
     _add_vllm_args(p)
 
+    _add_loop_parsers(sub)
+
     p = sub.add_parser("demo", help="build a small model + chat data and run vocab, extract, verify")
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto")
     p.add_argument("--out", default=None, help="dataset directory (default: under the cache)")
     p.add_argument("--cache", default=None, help="cache directory (default $EAGLE_FAST_CACHE or ~/.cache/eagle_fast)")
     return parser
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling (vLLM's names)")
+    g.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="default 1: off")
+    g.add_argument("--top-k", type=int, default=0, help="default 0: off")
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"most tokens generated per turn (default {max_tokens})")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed; a row's is this plus its line (default 0)")
+
+
+def _add_loop_parsers(sub) -> None:
+    p = sub.add_parser("regenerate", help="rewrite the assistant turns with the target (vLLM), turn by turn",
+                       description="Each assistant turn is generated by the target from the conversation so far "
+                                   "(earlier assistant turns: its own regenerated answers); system, user and tool "
+                                   "turns stay verbatim. Resumable: re-run the same command.")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory of the target")
+    p.add_argument("--data", required=True, help="jsonl, any form extract reads (text / input_ids rows pass through)")
+    p.add_argument("--out", required=True, help="output jsonl (its report: OUT.report.json)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="dtype the target runs in (default: the checkpoint's)")
+    p.add_argument("--reasoning", choices=("keep", "drop"), default="keep",
+                   help="a reasoning model's thinking: kept as reasoning_content (default), or dropped")
+    p.add_argument("--chunk-rows", type=int, default=1024,
+                   help="rows per engine batch, the unit a resumed or Ray run restarts from; a chunk's batch "
+                        "drains before the next starts, so keep it well above the engine's max_num_seqs "
+                        "(default 1024)")
+    p.add_argument("--ray", action="store_true", help="split the rows across Ray workers; the same output")
+    p.add_argument("--ray-workers", type=int, default=None, metavar="N", help="Ray workers (default: one per node, "
+                   "or one per --tensor-parallel-size GPUs)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR", help="Ray cluster (default $RAY_ADDRESS, else local)")
+    _add_sampling_args(p, 2048)
+    _add_chat_args(p, masks=False)
+    _add_vllm_args(p, capture=False)
+
+    p = sub.add_parser("accept", help="a draft's acceptance, as vLLM's speculative decoding counts it",
+                       description="Serve the target with the EAGLE-3 draft in vLLM over the prompts (each "
+                                   "conversation up to its last user turn) and print the engine's own counters.")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory of the target")
+    p.add_argument("--draft", required=True, help="EAGLE-3 draft directory (HF LlamaForCausalLMEagle3 or speculators)")
+    p.add_argument("--data", required=True, help="jsonl of prompts, any form extract reads")
+    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3, metavar="K", help="draft length (default 3)")
+    p.add_argument("--num-prompts", type=int, default=None, metavar="N", help="the first N prompts (default all)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="dtype the target runs in (default: the checkpoint's)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
+    _add_sampling_args(p, 256)
+    _add_chat_args(p, masks=False)
+    _add_vllm_args(p, capture=False)
 
 
 def cmd_extract(a: argparse.Namespace) -> int:
@@ -321,12 +384,36 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling(a: argparse.Namespace) -> Sampling:
+    return Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed)
+
+
+def cmd_regenerate(a: argparse.Namespace) -> int:
+    if not a.ray and (a.ray_workers, a.ray_address) != (None, None):
+        raise UserError("--ray-workers and --ray-address apply to --ray runs only", "add --ray")
+    cfg = RegenerateConfig(model=a.model, data=a.data, out=a.out, dtype=a.dtype, sampling=_sampling(a),
+                           reasoning=a.reasoning, chunk_rows=a.chunk_rows, chat=_chat_format(a),
+                           vllm=_vllm_settings(a))
+    ray = RayOptions(workers=a.ray_workers, address=a.ray_address) if a.ray else None
+    print(regenerate(cfg, ray=ray).text())
+    return 0
+
+
+def cmd_accept(a: argparse.Namespace) -> int:
+    cfg = AcceptConfig(model=a.model, draft=a.draft, data=a.data, num_speculative_tokens=a.num_speculative_tokens,
+                       num_prompts=a.num_prompts, dtype=a.dtype, sampling=_sampling(a), chat=_chat_format(a),
+                       vllm=_vllm_settings(a), json_path=a.json)
+    print(accept(cfg).text())
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     return run_demo(engine=a.engine, out=a.out, cache=a.cache)
 
 
 COMMANDS = {"extract": cmd_extract, "vocab": cmd_vocab, "verify": cmd_verify, "inspect": cmd_inspect,
-            "merge": cmd_merge, "serve": cmd_serve, "demo": cmd_demo}
+            "merge": cmd_merge, "serve": cmd_serve, "demo": cmd_demo,
+            "regenerate": cmd_regenerate, "accept": cmd_accept}
 
 
 def _print_error(cause: str, fix: str | None) -> None:
@@ -373,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("eagle_fast").info(f"{CPU_BIND_ENV}={bound}: one CPU group per TP rank (this "
                                              "machine has fewer NUMA nodes than ranks)")
     try:
-        if args.command in ("extract", "serve", "demo"):  # and an eager engine compiles nothing
+        # An eager engine compiles nothing (extract, serve: eager by default; regenerate, accept
+        # generate, so vLLM's default, compiled, unless --enforce-eager).
+        if args.command in ("extract", "serve", "demo") or getattr(args, "enforce_eager", None):
             eager_engine_env(VLLMSettings() if args.command == "demo" else _vllm_settings(args), os.environ)
         return COMMANDS[args.command](args)
     except UserError as exc:
