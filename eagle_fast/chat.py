@@ -145,25 +145,29 @@ def for_template(messages: list[dict], template: str) -> list[dict]:
     return out
 
 
-def render(tok, messages: list[dict], fmt: ChatFormat, template: str, add_generation_prompt=False) -> str:
-    return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+def render(tok, messages: list[dict], fmt: ChatFormat, template: str, add_generation_prompt=False,
+           tools: list[dict] | None = None) -> str:
+    """The conversation as the template writes it; `tools`: the row's function schemas."""
+    return tok.apply_chat_template(messages, chat_template=template, tokenize=False, tools=tools,
                                    add_generation_prompt=add_generation_prompt, **fmt.kwargs)
 
 
-def encode_chat(tok, messages: list[dict], fmt: ChatFormat) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one conversation (see the header). Raises ChatMaskError for a
-    turn that cannot be placed; template errors propagate."""
+def encode_chat(tok, messages: list[dict], fmt: ChatFormat,
+                tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of one conversation (see the header), its `tools` passed to the
+    template (a tool call is part of its assistant turn; schemas and results never are). Raises
+    ChatMaskError for a turn that cannot be placed; template errors propagate."""
     template = fmt.template_for(tok)
     msgs = for_template(messages, template)
-    text = render(tok, msgs, fmt, template)
+    text = render(tok, msgs, fmt, template, tools=tools)
     enc = tok(text, add_special_tokens=False)
     if not enc.is_fast:
         raise ChatMaskError("masking chats needs a fast tokenizer (tokenizer.json) for character offsets")
     ids = list(enc["input_ids"])
     if GENERATION_RE.search(template):
-        spans = _marked_spans(tok, msgs, fmt, template, text)
+        spans = _marked_spans(tok, msgs, fmt, template, text, tools)
     else:
-        spans = assistant_spans(tok, msgs, fmt, template, text)
+        spans = assistant_spans(tok, msgs, fmt, template, text, tools)
     if not fmt.supervise_empty_think:
         spans = [_skip_empty_think(text, s, e) for s, e in spans]
     return ids, spans_to_mask(enc, spans, len(ids))
@@ -197,12 +201,12 @@ def _skip_empty_think(text: str, s: int, e: int) -> tuple[int, int]:
     return s, e
 
 
-def _marked_spans(tok, msgs, fmt, template, text) -> list[tuple[int, int]]:
+def _marked_spans(tok, msgs, fmt, template, text, tools=None) -> list[tuple[int, int]]:
     """The `{% generation %}` blocks of a template that has them, as character spans."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     rendered, indices = render_jinja_template(
-        conversations=[msgs], chat_template=template, return_assistant_tokens_mask=True,
+        conversations=[msgs], tools=tools, chat_template=template, return_assistant_tokens_mask=True,
         **{**tok.special_tokens_map, **fmt.kwargs})
     if rendered[0] != text:
         raise ChatMaskError("the template renders differently with its generation blocks tracked")
@@ -276,7 +280,8 @@ def special_spans(tok, text: str, start: int, stop: int) -> list[tuple[int, int,
     return [(m.start(), m.end(), m.group()) for m in pattern.finditer(text, start, stop)]
 
 
-def assistant_spans(tok, msgs: list[dict], fmt: ChatFormat, template: str, text: str) -> list[tuple[int, int]]:
+def assistant_spans(tok, msgs: list[dict], fmt: ChatFormat, template: str, text: str,
+                    tools: list[dict] | None = None) -> list[tuple[int, int]]:
     """Character spans of the assistant turns in `text`, the rendering of `msgs` (see header)."""
     header, least, opener = _header(tok, fmt, template)
     probe = _probe(text)
@@ -286,7 +291,7 @@ def assistant_spans(tok, msgs: list[dict], fmt: ChatFormat, template: str, text:
         if m["role"] != "assistant":
             continue
         turn = sum(1 for x in msgs[: i + 1] if x["role"] == "assistant")
-        swapped = render(tok, _swap(msgs, i, probe), fmt, template)
+        swapped = render(tok, _swap(msgs, i, probe), fmt, template, tools=tools)
         a, b = _varying(text, swapped)
         if swapped == text:
             continue  # the template does not render this turn: nothing of it to supervise
@@ -305,7 +310,7 @@ def assistant_spans(tok, msgs: list[dict], fmt: ChatFormat, template: str, text:
                                     f"{header!r} is not written before it")
         stop = len(text)
         if i + 1 < len(msgs):
-            nxt, _ = _varying(text, render(tok, _swap(msgs, i + 1, probe), fmt, template))
+            nxt, _ = _varying(text, render(tok, _swap(msgs, i + 1, probe), fmt, template, tools=tools))
             if nxt >= b:
                 stop = nxt
         end = b

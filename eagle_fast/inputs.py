@@ -31,7 +31,9 @@ from eagle_fast.errors import UserError, bad_line
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool"}
+                  "system": "system", "tool": "tool",
+                  # LLaMA-Factory's agentic roles: a call (its value the JSON call) and its result
+                  "function_call": "assistant", "observation": "tool"}
 
 # ------------------------------------------------------------------------------ inputs
 
@@ -43,10 +45,63 @@ class Record:
     value: Any
     loss_mask: list[int] | None = None
     source_line: int | None = None  # the line of the original data (a `regenerate` output's rows say)
+    tools: list[dict] | None = None  # a chat row's function schemas, passed to the chat template
 
 
 _FIX_FORMAT = ('make each line one JSON object with "messages" (chat), "text", or "input_ids" '
                '(+ optional "loss_mask")')
+
+
+def _arguments(path: str, line: int, where: str, args: Any) -> dict:
+    """A call's arguments as the object templates expect (the OpenAI wire form is a JSON string)."""
+    if args is None or (isinstance(args, str) and not args.strip()):
+        return {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as exc:
+            raise bad_line(path, line, f"{where}: arguments are not valid JSON ({exc.msg} at column {exc.colno})",
+                           "give the arguments as a JSON object, or a string holding one") from None
+    if not isinstance(args, dict):
+        raise bad_line(path, line, f"{where}: arguments must be a JSON object, got {type(args).__name__}",
+                       "give the arguments as a JSON object, or a string holding one")
+    return args
+
+
+def _tool_calls(path: str, line: int, i: int, calls: Any) -> list[dict]:
+    """OpenAI `tool_calls` (or LLaMA-Factory's {"name", "arguments"} calls), normalised."""
+    if isinstance(calls, dict):
+        calls = [calls]
+    if not isinstance(calls, list) or not calls:
+        raise bad_line(path, line, f"message {i}: tool_calls must be a non-empty list of calls", _FIX_TOOLS)
+    out = []
+    for j, call in enumerate(calls, 1):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise bad_line(path, line, f"message {i}, call {j}: no function name", _FIX_TOOLS)
+        norm: dict[str, Any] = {"type": call.get("type", "function"),
+                                "function": {"name": name, "arguments": _arguments(
+                                    path, line, f"message {i}, call {j} ({name})", fn.get("arguments"))}}
+        if call.get("id") is not None:
+            norm["id"] = call["id"]
+        out.append(norm)
+    return out
+
+
+def _text(path: str, line: int, i: int, key: str, content: Any) -> str | None:
+    """A message's content as text: a string, or OpenAI text parts joined; None when absent."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise bad_line(path, line, f'message {i} has no string "{key}" (nor a list of text parts)',
+                   f'give every message a "{key}" string')
+
+
+_FIX_TOOLS = ('give each call {"type": "function", "function": {"name": ..., "arguments": {...}}} (OpenAI '
+              'form; arguments may be a JSON string)')
 
 
 def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dict]:
@@ -67,12 +122,30 @@ def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dic
                 path, line, f"unknown role {role!r} in message {i}",
                 f"use one of {', '.join(sorted(allowed) if sharegpt else ROLES)}",
             )
-        content = m.get(content_key)
-        if not isinstance(content, str):
+        content = _text(path, line, i, content_key, m.get(content_key))
+        calls = None
+        if sharegpt and role == "function_call":
+            try:
+                calls = json.loads(content or "")
+            except json.JSONDecodeError as exc:
+                raise bad_line(path, line, f"message {i} (function_call): its value is not a JSON call "
+                               f"({exc.msg} at column {exc.colno})", _FIX_TOOLS) from None
+            content = ""
+        elif not sharegpt and m.get("tool_calls") is not None:
+            calls = m["tool_calls"]
+        msg = {"role": SHAREGPT_ROLES[role] if sharegpt else role}
+        if calls is not None:
+            if msg["role"] != "assistant":
+                raise bad_line(path, line, f"message {i} ({msg['role']}) has tool_calls",
+                               "only assistant messages call tools")
+            msg["content"] = content or ""
+            msg["tool_calls"] = _tool_calls(path, line, i, calls)
+        elif content is None:
             raise bad_line(path, line, f'message {i} has no string "{content_key}"',
-                       f'give every message a "{content_key}" string')
-        msg = {"role": SHAREGPT_ROLES[role] if sharegpt else role, "content": content}
-        for extra in ("tool_calls", "name", "tool_call_id"):
+                           f'give every message a "{content_key}" string')
+        else:
+            msg["content"] = content
+        for extra in ("name", "tool_call_id"):
             if not sharegpt and extra in m:
                 msg[extra] = m[extra]
         given = {name: m[name] for name in REASONING_FIELDS if m.get(name) is not None}
@@ -85,9 +158,27 @@ def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dic
                                f"give the reasoning once, as a string, in one of {', '.join(REASONING_FIELDS)}")
             msg["reasoning"] = next(iter(given.values()))
         out.append(msg)
-    if not any(m["content"] for m in out):
+    if not any(m["content"] or m.get("tool_calls") for m in out):
         raise bad_line(path, line, "every message is empty", "drop the line or fill in its messages")
     return out
+
+
+def _tools(path: str, line: int, tools: Any) -> list[dict] | None:
+    """A row's `tools` (function schemas; LLaMA-Factory writes them as a JSON string)."""
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        if not tools.strip():
+            return None
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            raise bad_line(path, line, f'"tools" is a string that is not JSON ({exc.msg} at column {exc.colno})',
+                           'give "tools" as a list of function schemas') from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise bad_line(path, line, '"tools" must be a list of function schemas (objects)',
+                       'give "tools" as a list of function schemas, e.g. [{"type": "function", "function": {...}}]')
+    return tools or None
 
 
 def parse_line(path: str, line: int, raw: str) -> Record:
@@ -128,10 +219,10 @@ def _parse_object(path: str, line: int, obj: dict) -> Record:
                            "give loss_mask exactly one entry per token")
             mask = [int(v) for v in mask]
         return Record(line, "input_ids", ids, mask)
-    if "messages" in obj:
-        return Record(line, "messages", _parse_messages(path, line, obj["messages"], sharegpt=False))
-    if "conversations" in obj:
-        return Record(line, "messages", _parse_messages(path, line, obj["conversations"], sharegpt=True))
+    if "messages" in obj or "conversations" in obj:
+        sharegpt = "messages" not in obj
+        msgs = _parse_messages(path, line, obj["conversations" if sharegpt else "messages"], sharegpt)
+        return Record(line, "messages", msgs, tools=_tools(path, line, obj.get("tools")))
     if "text" in obj:
         text = obj["text"]
         if not isinstance(text, str):
@@ -226,7 +317,7 @@ def tokenize_record(rec: Record, tok, path: str, chat: ChatFormat | None = None)
             "or give text/input_ids lines",
         )
     try:
-        return encode_chat(tok, rec.value, chat)
+        return encode_chat(tok, rec.value, chat, rec.tools)
     except ChatMaskError as exc:
         raise bad_line(path, rec.line, f"cannot mask this chat: {exc}",
                        "fix or drop the line, or pass a --chat-template that renders each assistant turn "

@@ -87,19 +87,20 @@ def until_last_user(messages: list[dict]) -> list[dict] | None:
     return None if last is None else messages[: last + 1]
 
 
-def prompt_text(tok, messages: list[dict], fmt: ChatFormat) -> str:
-    """`messages` (canonical: reasoning under "reasoning") rendered with the generation prompt."""
+def prompt_text(tok, messages: list[dict], fmt: ChatFormat, tools: list[dict] | None = None) -> str:
+    """`messages` (canonical: reasoning under "reasoning") rendered with the generation prompt,
+    the row's `tools` passed to the template."""
     template = fmt.template_for(tok)
     if not template:
         raise UserError("the tokenizer has no chat template, so chats cannot be rendered",
                         "pass --chat-template FILE")
-    return render(tok, for_template(messages, template), fmt, template, add_generation_prompt=True)
+    return render(tok, for_template(messages, template), fmt, template, add_generation_prompt=True, tools=tools)
 
 
-def prompt_ids(tok, messages: list[dict], fmt: ChatFormat) -> list[int]:
+def prompt_ids(tok, messages: list[dict], fmt: ChatFormat, tools: list[dict] | None = None) -> list[int]:
     """The token ids the engine is prompted with for `messages`: the rendering, tokenised as
     `extract` tokenises chats (no added special tokens)."""
-    return list(tok(prompt_text(tok, messages, fmt), add_special_tokens=False)["input_ids"])
+    return list(tok(prompt_text(tok, messages, fmt, tools), add_special_tokens=False)["input_ids"])
 
 
 def record_prompt(tok, row: Row, fmt: ChatFormat) -> list[int] | None:
@@ -109,7 +110,7 @@ def record_prompt(tok, row: Row, fmt: ChatFormat) -> list[int] | None:
     rec = row.record
     if rec.kind == "messages":
         msgs = until_last_user(rec.value)
-        return None if msgs is None else prompt_ids(tok, msgs, fmt)
+        return None if msgs is None else prompt_ids(tok, msgs, fmt, rec.tools)
     if rec.kind == "text":
         return list(tok(rec.value, add_special_tokens=False)["input_ids"])
     ids = list(rec.value)

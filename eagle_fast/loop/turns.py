@@ -162,7 +162,7 @@ def run_chunk(rows: list[Row], tok, fmt: ChatFormat, generate: Generate, max_mod
             if msgs is None:
                 continue
             try:
-                texts.append((conv, prompt_text(tok, msgs, fmt)))
+                texts.append((conv, prompt_text(tok, msgs, fmt, conv.row.record.tools)))
             except UserError:
                 raise  # the run's problem (no template at all), not this row's
             except Exception as exc:  # noqa: BLE001 -- a template that raises fails its row only

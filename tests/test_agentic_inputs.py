@@ -1,0 +1,122 @@
+"""Agentic rows (issue 46, the input side): a row's `tools`, OpenAI tool calls (null content,
+JSON-string arguments), tool results with text parts, LLaMA-Factory's ShareGPT
+`function_call` / `observation` turns, through `inputs` and the chat masks.
+
+What: the tool schemas reach the template; a tool call is part of its assistant turn's mask
+and tool results never are, equal to the `{% generation %}` oracle of vLLM's Qwen3-style
+template with the tools passed; the OpenAI and ShareGPT forms of one conversation give the same
+ids and mask; JSON-string arguments render as the object does; a malformed call or schema fails
+its line, with the number.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _templates import oracle, oracle_mask, shipped, tokenizer
+
+from eagle_fast.chat import ChatFormat, for_template
+from eagle_fast.errors import UserError
+from eagle_fast.inputs import parse_line, tokenize_record
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def call(city: str, as_string: bool = False, cid: str = "c1") -> dict:
+    args = {"city": city}
+    return {"id": cid, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps(args) if as_string else args}}
+
+
+OPENAI = {"tools": TOOLS, "messages": [
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": None, "reasoning_content": "two cities, two calls",
+     "tool_calls": [call("Paris", True, "c1"), call("Rome", True, "c2")]},
+    {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Sunny, 21C"}]},
+    {"role": "tool", "tool_call_id": "c2", "content": "Rain, 14C"},
+    {"role": "assistant", "content": "Paris is sunny; Rome is rainy."}]}
+SHAREGPT = {"tools": json.dumps(TOOLS), "conversations": [
+    {"from": "human", "value": "Weather in Paris and Rome?"},
+    {"from": "function_call", "value": json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}},
+                                                   {"name": "get_weather", "arguments": {"city": "Rome"}}])},
+    {"from": "observation", "value": "Sunny, 21C"},
+    {"from": "observation", "value": "Rain, 14C"},
+    {"from": "gpt", "value": "Paris is sunny; Rome is rainy."}]}
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return tokenizer("qwen3", tmp_path_factory.mktemp("qwen3"))
+
+
+def _rec(obj: dict, line: int = 1):
+    return parse_line("data.jsonl", line, json.dumps(obj))
+
+
+def test_openai_form_is_read_and_normalised():
+    rec = _rec(OPENAI)
+    assert rec.tools == TOOLS
+    msgs = rec.value
+    assert msgs[1]["content"] == "" and msgs[1]["reasoning"] == "two cities, two calls"
+    assert [c["function"]["arguments"] for c in msgs[1]["tool_calls"]] == [{"city": "Paris"}, {"city": "Rome"}]
+    assert [c["id"] for c in msgs[1]["tool_calls"]] == ["c1", "c2"]
+    assert msgs[2] == {"role": "tool", "content": "Sunny, 21C", "tool_call_id": "c1"}
+
+
+def test_tools_reach_the_template_and_masks_equal_the_oracle(qwen):
+    chat = ChatFormat(template=shipped("qwen3"))
+    rec = _rec(OPENAI)
+    ids, mask = tokenize_record(rec, qwen, "data.jsonl", chat)
+    text = qwen.decode(ids)
+    assert "# Tools" in text and '"name": "get_weather"' in text  # the schema, in the system block
+    msgs = for_template(rec.value, chat.template)
+    want_ids, want_mask = oracle_mask(qwen, msgs, oracle("qwen3"), tools=TOOLS)
+    assert ids == want_ids and mask == want_mask
+    supervised = qwen.decode([t for t, m in zip(ids, mask) if m])
+    assert '"name": "get_weather", "arguments": {"city": "Paris"}' in supervised  # the calls are trained on
+    assert "Sunny" not in supervised and "Rain" not in supervised and "# Tools" not in supervised
+
+
+def test_openai_and_sharegpt_forms_give_the_same_ids_and_mask(qwen):
+    chat = ChatFormat(template=shipped("qwen3"))
+    plain = {**OPENAI, "messages": [{k: v for k, v in m.items() if k not in ("reasoning_content", "tool_call_id")}
+                                    for m in OPENAI["messages"]]}
+    a = tokenize_record(_rec(plain), qwen, "d", chat)
+    b = tokenize_record(_rec(SHAREGPT), qwen, "d", chat)
+    assert a == b and sum(a[1]) > 0
+
+
+def test_string_and_object_arguments_render_alike(qwen):
+    chat = ChatFormat(template=shipped("qwen3"))
+    as_obj = json.loads(json.dumps(OPENAI))
+    for c in as_obj["messages"][1]["tool_calls"]:
+        c["function"]["arguments"] = json.loads(c["function"]["arguments"])
+    assert tokenize_record(_rec(OPENAI), qwen, "d", chat) == tokenize_record(_rec(as_obj), qwen, "d", chat)
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda o: o["messages"][1]["tool_calls"][0]["function"].update(arguments="{city: Paris"),
+     r"message 2, call 1 \(get_weather\): arguments are not valid JSON"),
+    (lambda o: o["messages"][1]["tool_calls"][1]["function"].pop("name"), r"message 2, call 2: no function name"),
+    (lambda o: o["messages"][1]["tool_calls"][0]["function"].update(arguments="[1, 2]"),
+     r"message 2, call 1 \(get_weather\): arguments must be a JSON object"),
+    (lambda o: o["messages"][0].update(tool_calls=[call("x")]), r"message 1 \(user\) has tool_calls"),
+    (lambda o: o.update(tools="not json"), r'"tools" is a string that is not JSON'),
+    (lambda o: o.update(tools=[1]), r'"tools" must be a list of function schemas'),
+    (lambda o: o["messages"][2].update(content=[{"type": "image_url"}]), r"message 3 has no string \"content\""),
+])
+def test_a_malformed_call_or_schema_fails_its_line(edit, match):
+    obj = json.loads(json.dumps(OPENAI))
+    edit(obj)
+    with pytest.raises(UserError, match=rf"data.jsonl:7: {match}"):
+        _rec(obj, line=7)
+
+
+def test_sharegpt_function_call_must_be_json():
+    bad = json.loads(json.dumps(SHAREGPT))
+    bad["conversations"][1]["value"] = "get_weather(Paris)"
+    with pytest.raises(UserError, match=r"data.jsonl:3: message 2 \(function_call\): its value is not a JSON call"):
+        _rec(bad, line=3)
