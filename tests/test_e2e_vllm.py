@@ -366,3 +366,24 @@ def test_verify_tells_the_engines_numerics_from_a_defect(reference, tiny_llama, 
         else:
             assert ok == accept and "engine vs transformers" in text and "draft_logprobs" in text, text
             assert ("--accept-engine-numerics" in text) != accept, text
+
+
+def test_serve_stays_unhealthy_when_the_engine_check_fails(tiny_llama, shared, vllm_llama, monkeypatch):
+    """The head without its final RMSNorm (a head rule dropped): the server never serves. /health
+    says failed, with the check's figures and the way out; the engine is not kept."""
+    from dataclasses import replace
+
+    from eagle_fast.head import TargetHead
+    from eagle_fast.serve.app import ServeConfig, TargetServer
+    from eagle_fast.serve.batching import EngineUnavailable
+
+    head = vllm_llama.head
+    monkeypatch.setattr(vllm_llama, "head", TargetHead(head.lm_head_weight, None, replace(head.spec, norm="none")))
+    server = TargetServer(ServeConfig(model=str(tiny_llama), engine="vllm", dtype="fp32", aux_layers=AUX),
+                          runner_factory=lambda *a: shared)
+    with pytest.raises(EngineUnavailable, match="engine check"):
+        server.engine.get()
+    status, body = server.health()
+    assert status == 503 and body["status"] == "failed" and server.engine.runner is None
+    assert "differ from vLLM's own prompt log-probs" in body["error"] and "--no-engine-check" in body["error"]
+    assert server.model_info()["engine_check"] is None  # no figures of a check that passed
