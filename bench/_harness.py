@@ -73,6 +73,26 @@ from eagle_fast.memory import return_freed_memory
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
 
+
+def package_at(ref: str, dest: Path) -> Path:
+    """The package as it was at commit `ref` (`git archive`), laid out as installed: dest/eagle_fast
+    with kernels/ inside; put `dest` first on PYTHONPATH to run it. RuntimeError, naming the commit,
+    where this clone lacks it (the benchmarks and tests/test_same_bytes.py compare against it)."""
+    import io
+    import tarfile
+
+    try:
+        blob = subprocess.run(["git", "-C", str(REPO), "archive", ref, "eagle_fast", "kernels"],
+                              capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        err = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip()
+        raise RuntimeError(f"cannot read commit {ref} from {REPO} ({err or exc}); this needs the repository's "
+                           "history: clone without --depth") from None
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(dest, filter="data")
+    (dest / "kernels").rename(dest / "eagle_fast" / "kernels")
+    return dest
+
 # --------------------------------------------------------------------------- provenance
 
 

@@ -21,11 +21,9 @@ Limits
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -52,11 +50,7 @@ print(json.dumps([tokenize_record(r, tok, sys.argv[2]) for r in records]))
 def _masks_at(ref: str, tok_dir: Path, data: Path, template: Path | None, work: Path) -> list:
     src = work / f"src-{ref}"
     if not src.exists():
-        blob = subprocess.run(["git", "-C", str(REPO), "archive", ref, "eagle_fast", "kernels"],
-                              capture_output=True, check=True).stdout
-        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
-            tar.extractall(src, filter="data")
-        (src / "kernels").rename(src / "eagle_fast" / "kernels")
+        H.package_at(ref, src)
     proc = subprocess.run([sys.executable, "-c", _OLD, str(tok_dir), str(data), str(template or "")],
                           capture_output=True, text=True, check=True, cwd=work,
                           env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})

@@ -21,11 +21,10 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
-from io import BytesIO
 from pathlib import Path
 
 import pytest
+from _bench import load_bench
 from _pipeline import manifest_core, mixed_jsonl, tree_digest
 
 # The last commit before the layout of issue "one supervision path" (same bytes since).
@@ -50,18 +49,10 @@ for argv in json.loads(sys.argv[2]):
 @pytest.fixture(scope="module")
 def baseline_tree(tmp_path_factory) -> Path:
     """The package at BASELINE, laid out as installed: eagle_fast/ with kernels/ inside."""
-    root = tmp_path_factory.mktemp("baseline")
     try:
-        blob = subprocess.run(["git", "-C", str(REPO), "archive", BASELINE, "eagle_fast", "kernels"],
-                              capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        err = getattr(exc, "stderr", b"") or b""
-        pytest.fail(f"cannot read commit {BASELINE} from {REPO} ({err.decode(errors='replace').strip()}); "
-                    "this test needs the repository's history: clone without --depth", pytrace=False)
-    with tarfile.open(fileobj=BytesIO(blob)) as tar:
-        tar.extractall(root, filter="data")
-    (root / "kernels").rename(root / "eagle_fast" / "kernels")
-    return root
+        return load_bench("_harness").package_at(BASELINE, tmp_path_factory.mktemp("baseline"))
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 def _run(src: Path | None, commands: list[list[str]], cwd: Path) -> None:
