@@ -88,7 +88,8 @@ def build(results: Path = RESULTS, page: Path = PAGE) -> str:
         out += serve_section(json.loads(files["serve-cpu"].read_text()))
     if "ray-cpu" in files:
         out += ray_section(json.loads(files["ray-cpu"].read_text()))
-    for name in ("host_path-cpu", "head_in_worker-cpu", "masks-cpu", "engine_check-cpu"):  # their own section
+    for name in ("host_path-cpu", "head_in_worker-cpu", "masks-cpu", "engine_check-cpu", "regenerate-cpu",
+                 "engine_accept-cpu"):  # their own section
         if name in files:
             out += json.loads(files[name].read_text())["markdown"] + [""]
     out += storage_section(json.loads(files["storage-cpu"].read_text()) if "storage-cpu" in files else None)

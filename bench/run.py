@@ -4,8 +4,9 @@ What it does
     1. pytest (in this process) over bench/bench_lm_head.py, bench_runner.py,
        bench_pipeline.py, bench_cpu_ops.py, bench_serve.py, bench_ray.py, bench_storage.py,
        bench_host_path.py and bench_accept.py (after storage, whose recommended k it reads), and
-       bench_masks.py (what the chat mask rule changes on the demo data) and bench_engine_check.py
-       (the engine check's cost on the demo's extraction).
+       bench_masks.py (what the chat mask rule changes on the demo data), bench_engine_check.py
+       (the engine check's cost on the demo's extraction), bench_regenerate.py (regenerate against a
+       bare vLLM generate) and bench_engine_accept.py (drafts served by vLLM, judged by `accept`).
        Each module's test is `_harness.pytest_case` (one per head case in bench_lm_head.py):
        pytest-benchmark collects and tabulates them and drives the head's and the runner's
        interleaved rounds; the ratios come from `_harness.SideBySide` (its docstring says why).
@@ -22,7 +23,8 @@ Design
 
 Limits
     `--only` picks modules. How long each takes is `SECONDS` below, the wall time its recorded
-    results file holds; their sum, about 45 minutes on 2 cores (21 of them `accept`), is the
+    results file holds; their sum, about 58 minutes on 2 cores (21 of them `accept`, 12
+    `engine_accept`), is the
     figure README.md, bench/README.md and the Makefile quote. No whole `make bench` was timed
     with every module in it; the sum leaves out pytest's start-up and the report (seconds).
 """
@@ -40,12 +42,14 @@ HERE = Path(__file__).resolve().parent
 MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline": "bench_pipeline.py",
            "cpu_ops": "bench_cpu_ops.py", "serve": "bench_serve.py", "ray": "bench_ray.py",
            "storage": "bench_storage.py", "host_path": "bench_host_path.py", "accept": "bench_accept.py",
-           "masks": "bench_masks.py", "engine_check": "bench_engine_check.py"}
+           "masks": "bench_masks.py", "engine_check": "bench_engine_check.py", "regenerate": "bench_regenerate.py",
+           "engine_accept": "bench_engine_accept.py"}
 # Seconds each module took: `wall_s` of its results file in bench/results/ (a 2-core Xeon with AMX;
 # the trained tiny target of storage and accept already cached). host_path's file records none:
 # its figure is bench/README.md's "about 2 minutes".
 SECONDS = {"lm_head": 165, "runner": 177, "pipeline": 190, "cpu_ops": 36, "serve": 267, "ray": 128,
-           "storage": 10, "host_path": 120, "accept": 1277, "masks": 14, "engine_check": 331}
+           "storage": 10, "host_path": 120, "accept": 1277, "masks": 14, "engine_check": 331, "regenerate": 32,
+           "engine_accept": 735}
 
 
 def estimate_minutes(names=MODULES) -> int:

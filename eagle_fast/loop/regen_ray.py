@@ -59,7 +59,8 @@ def ray_chunks(cfg, chunks: list, opts: RayOptions):
         wanted = max(1, min(opts.workers or (gpus // tp if gpus else len(nodes)) or 1, len(chunks) or 1))
         node_cpus = [n["Resources"].get("CPU", 0) for n in nodes if n["Resources"].get("CPU", 0) > 0] or [1]
         cpus = opts.cpus_per_worker or (1 if gpus else max(1, min(sum(node_cpus) // wanted, min(node_cpus))))
-        env = {k: os.environ[k] for k in (*V1_RUNNER_ENV, "TORCHDYNAMO_DISABLE", "VLLM_CPU_KVCACHE_SPACE")
+        env = {k: os.environ[k] for k in (*V1_RUNNER_ENV, "TORCHDYNAMO_DISABLE", "VLLM_CPU_KVCACHE_SPACE",
+                                                    "TOKENIZERS_PARALLELISM")
                if k in os.environ}
         remote = ray.remote(RegenWorker).options(num_cpus=cpus, num_gpus=tp if gpus else 0, max_restarts=0,
                                                  max_concurrency=1, scheduling_strategy="SPREAD",
