@@ -7,7 +7,8 @@ of a turn after the last user query, reasoning dropped from history, trimmed con
 assistant turn in it:
   1. where its text is: the conversation is rendered again with only that turn's content
      swapped for a probe character; the two renderings differ exactly where the turn's
-     content (and reasoning) lands;
+     content (and reasoning) lands; a turn that calls tools is rendered once more with its
+     calls' names and arguments swapped, and its text runs through the calls too;
   2. where the turn starts: after the assistant header, the longest part of the template's
      generation prompt written just before that place (so a think opener the prompt writes is
      not supervised, and one the model writes is);
@@ -264,6 +265,13 @@ def _swap(msgs: list[dict], i: int, probe: str) -> list[dict]:
     return msgs[:i] + [m] + msgs[i + 1:]
 
 
+def _swap_calls(msgs: list[dict], i: int, probe: str) -> list[dict]:
+    """Message i with every tool call's name and arguments made of the probe character."""
+    calls = [{**c, "function": {**c["function"], "name": probe, "arguments": {probe: probe}}}
+             for c in msgs[i]["tool_calls"]]
+    return msgs[:i] + [{**msgs[i], "tool_calls": calls}] + msgs[i + 1:]
+
+
 @functools.lru_cache(maxsize=16)
 def _special_pattern(tok) -> re.Pattern | None:
     specials = sorted(set(tok.all_special_tokens) | {t.content for t in tok.added_tokens_decoder.values()
@@ -292,8 +300,18 @@ def assistant_spans(tok, msgs: list[dict], fmt: ChatFormat, template: str, text:
             continue
         turn = sum(1 for x in msgs[: i + 1] if x["role"] == "assistant")
         swapped = render(tok, _swap(msgs, i, probe), fmt, template, tools=tools)
-        a, b = _varying(text, swapped)
-        if swapped == text:
+        a, b = _varying(text, swapped) if swapped != text else (len(text), 0)
+        if m.get("tool_calls"):
+            # its calls too: a template may write them after a special token that ends the content
+            # (Llama-4: <|python_start|>content<|python_end|>{calls}<|eot|>)
+            try:
+                called = render(tok, _swap_calls(msgs, i, probe), fmt, template, tools=tools)
+            except Exception:  # noqa: BLE001 -- a template that checks call names: the content's span stands
+                called = text
+            if called != text:
+                ca, cb = _varying(text, called)
+                a, b = min(a, ca), max(b, cb)
+        if b <= a:
             continue  # the template does not render this turn: nothing of it to supervise
         if a < cursor:
             raise ChatMaskError(f"assistant turn {turn} changes the rendering before the end of the turn "

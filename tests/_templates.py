@@ -29,7 +29,8 @@ SPECIALS = {
     "chatml": (["<|im_start|>", "<|im_end|>"], [], {"eos_token": "<|im_end|>"}),
     "deepseek": (["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"], [],
                  {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}),
-    "llama4": (["<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>"], [],
+    "llama4": (["<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|python_start|>",
+                "<|python_end|>"], [],
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"}),
     "mistral": (["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]"], [],
                 {"bos_token": "<s>", "eos_token": "</s>"}),
@@ -115,8 +116,12 @@ def oracle(name: str, *, keep_empty_think: bool = False, prompt_think: bool = Fa
         i, j = t.index(start), t.index(end) + len("        {{- \"<|eot|>\" }}")
         assert t.count(start) == 2, "the shipped template changed"
         body = t[i:j]
-        return (t[:i] + "{%- set body %}" + body + "{%- endset %}{%- if message['role'] == 'assistant' %}"
-                "{%- generation %}{{- body }}{%- endgeneration %}{%- else %}{{- body }}{%- endif %}" + t[j:])
+        t = (t[:i] + "{%- set body %}" + body + "{%- endset %}{%- if message['role'] == 'assistant' %}"
+             "{%- generation %}{{- body }}{%- endgeneration %}{%- else %}{{- body }}{%- endif %}" + t[j:])
+        # a turn that calls tools: from its <|python_start|> through its calls and <|eot|>
+        t = _edit(t, "       {{- '<|python_start|>' }}", "       {%- generation %}{{- '<|python_start|>' }}")
+        return _edit(t, "       {{- \"<|eot|>\" }}\n    {%- elif message.role == \"tool\"",
+                     "       {{- \"<|eot|>\" }}{%- endgeneration %}\n    {%- elif message.role == \"tool\"")
     if name == "mistral":
         t = _edit(t, "        {%- if message['content'] %}\n            {{- render_content(content=message['content'], "
                      "context_name='assistant message contents') -}}",

@@ -120,3 +120,29 @@ def test_sharegpt_function_call_must_be_json():
     bad["conversations"][1]["value"] = "get_weather(Paris)"
     with pytest.raises(UserError, match=r"data.jsonl:3: message 2 \(function_call\): its value is not a JSON call"):
         _rec(bad, line=3)
+
+
+LLAMA_CHAT = [
+    {"role": "system", "content": "You can call tools."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": "", "tool_calls": [call("Paris"), call("Rome", cid="c2")]},
+    {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21C"},
+    {"role": "tool", "tool_call_id": "c2", "content": "Rain, 14C"},
+    {"role": "assistant", "content": "Paris is sunny; Rome is rainy."}]
+
+
+@pytest.mark.parametrize("tools_in_user_message", [True, False])
+def test_llama4_tool_calls_are_supervised_after_their_special_opener(tmp_path, tools_in_user_message):
+    """Llama-4's template writes a call turn as <|python_start|>content<|python_end|> then the calls:
+    the calls after that special token are the assistant's too (equal to the marked oracle)."""
+    tok = tokenizer("llama4", tmp_path)
+    chat = ChatFormat(template=shipped("llama4"), kwargs={"tools_in_user_message": tools_in_user_message})
+    rec = _rec({"tools": TOOLS, "messages": LLAMA_CHAT})
+    ids, mask = tokenize_record(rec, tok, "data.jsonl", chat)
+    want = oracle_mask(tok, for_template(rec.value, chat.template), oracle("llama4"), tools=TOOLS,
+                       tools_in_user_message=tools_in_user_message)
+    assert (ids, mask) == want
+    supervised = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert '"name": "get_weather", "parameters": {"city": "Paris"}' in supervised
+    assert '"name": "get_weather", "parameters": {"city": "Rome"}' in supervised
+    assert "Sunny" not in supervised and "Rain" not in supervised and "Weather in" not in supervised
