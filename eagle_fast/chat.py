@@ -38,7 +38,7 @@ from eagle_fast.errors import UserError
 
 # The rule `encode_chat` applies, recorded in manifests: a dataset made under another rule is
 # never resumed with this one.
-MASK_RULE = "full-render-v1"
+MASK_RULE = "full-render-v2"  # v2: a tool-calling turn runs through its calls (Llama-4)
 GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 EMPTY_THINK_RE = re.compile(r"<think>\s*</think>\s*")
 # Where the message's reasoning goes, by the field name a template reads it from (Qwen3 and
