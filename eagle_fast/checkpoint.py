@@ -69,7 +69,9 @@ def model_identity(root: Path) -> dict:
     }
 
 
-def load_model_info(model: str) -> ModelInfo:
+def load_model_info(model: str, require_weights: bool = True) -> ModelInfo:
+    """The checkpoint's facts from config.json (and its identity hashes); `require_weights=False`
+    for a plan made before the weights are downloaded (`extract --dry-run`)."""
     root = Path(model)
     if not root.is_dir():
         raise UserError(
@@ -89,7 +91,7 @@ def load_model_info(model: str) -> ModelInfo:
             f"{cfg_path} lacks num_hidden_layers / hidden_size / vocab_size",
             "pass a decoder-only language-model checkpoint",
         ) from None
-    if not any(root.glob("*.safetensors")):
+    if require_weights and not any(root.glob("*.safetensors")):
         raise UserError(f"{model} has no *.safetensors weights",
                         "convert the checkpoint to safetensors (save_pretrained(safe_serialization=True))")
     return ModelInfo(

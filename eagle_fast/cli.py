@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import sys
@@ -32,6 +33,7 @@ from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.distributed import RayOptions
 from eagle_fast.pipeline.inspect import inspect_text, show_mask_text
 from eagle_fast.pipeline.merge import merge
+from eagle_fast.pipeline.plan import dry_run
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify, verify_report
 from eagle_fast.runners.engine_settings import (
@@ -50,6 +52,7 @@ examples:
   eagle-fast demo
   eagle-fast vocab   --model ./Qwen3-8B --data chats.jsonl --size 32000 --out vocab.pt
   eagle-fast regenerate --model ./Qwen3-8B --data chats.jsonl --out regen.jsonl
+  eagle-fast extract --model ./Qwen3-8B --data regen.jsonl --out ds/ --draft-vocab vocab.pt --dry-run
   eagle-fast extract --model ./Qwen3-8B --data regen.jsonl --out ds/ --draft-vocab vocab.pt
   eagle-fast verify  ds/ --model ./Qwen3-8B
   eagle-fast accept  --model ./Qwen3-8B --draft ./my-eagle3 --data held_out.jsonl --json accept.json
@@ -114,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the engine check (vLLM: before the first batch, log-probs rebuilt from the "
                         "captures of a few sequences are compared with the engine's own; a difference stops "
                         "the run). Without it a wrong capture is stored as if it were right")
+    p.add_argument("--dry-run", action="store_true",
+                   help="plan only: samples, tokens, bytes per token by field, the bytes on disk, the capture "
+                        "staging and the free space, with no engine and no weights read (--json for scripts)")
+    p.add_argument("--json", action="store_true", help="--dry-run: print the plan as JSON")
+    p.add_argument("--no-space-check", action="store_true",
+                   help="run even when the bytes still to write exceed --out's free space (refused by default)")
     p.add_argument("--head-in-worker", action="store_true",
                    help="vllm-cpu: run the head in the engine's worker, so only the aux states and the "
                         "supervision leave it (draft-topk, topk, lse: fewer bytes and less time; same "
@@ -214,8 +223,14 @@ def cmd_extract(a: argparse.Namespace) -> int:
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
         vllm=vllm_settings(a), head_in_worker=a.head_in_worker, chat=chat_format(a),
-        engine_check=not a.no_engine_check,
+        engine_check=not a.no_engine_check, space_check=not a.no_space_check,
     )
+    if a.json and not a.dry_run:
+        raise UserError("--json applies to --dry-run", "add --dry-run, or drop --json")
+    if a.dry_run:
+        plan = dry_run(cfg)
+        print(json.dumps(plan.to_json(), indent=1) if a.json else plan.text())
+        return 0
     if not a.ray and (a.ray_workers, a.ray_address, a.ray_cpus_per_worker) != (None, None, None):
         raise UserError("--ray-workers, --ray-address and --ray-cpus-per-worker apply to --ray runs only",
                         "add --ray")

@@ -363,6 +363,7 @@ class InputPlan:
     skipped: int = 0
     no_loss: int = 0
     chats: int = 0  # lines rendered through the chat template (their masks follow `chat.MASK_RULE`)
+    tokens_read: int = 0  # every line's tokens before --max-len (skipped lines included)
 
     @property
     def tokens(self) -> int:
@@ -388,6 +389,7 @@ def plan_inputs(path: str | os.PathLike, tok, vocab_size: int, *, max_len: int, 
         if bad:
             raise bad_line(str(path), rec.line, f"token id {bad[0]} is outside the model's vocabulary "
                        f"[0, {vocab_size})", "tokenise with this model's tokenizer")
+        plan.tokens_read += len(ids)
         if len(ids) > max_len:
             if overlong == "skip":
                 plan.skipped += 1

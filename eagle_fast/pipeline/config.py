@@ -73,6 +73,7 @@ class ExtractConfig:
     vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
     chat: ChatFormat = field(default_factory=ChatFormat)  # how chat lines render and mask
     engine_check: bool = True  # vLLM: captures against the engine's own log-probs first (engine_setup.py)
+    space_check: bool = True  # refuse up front when the pending bytes exceed --out's free space (plan.py)
 
 
 @dataclass

@@ -90,13 +90,14 @@ class Prepared:
     tok: Any = None
 
 
-def prepare(cfg: ExtractConfig) -> Prepared:
-    """Validate everything, plan shards, and reconcile with an existing --out directory."""
+def prepare(cfg: ExtractConfig, require_weights: bool = True) -> Prepared:
+    """Validate everything, plan shards, and reconcile with an existing --out directory
+    (`require_weights=False`: a plan only, the weights need not be there yet)."""
 
     cfg = replace(cfg, dtype=resolve_dtype_name(cfg.model, cfg.dtype))
     check_config(cfg)
     part = parse_shard(cfg.shard)
-    info = load_model_info(cfg.model)
+    info = load_model_info(cfg.model, require_weights)
     aux = parse_aux_layers(cfg.aux_layers, info.num_hidden_layers)
     if cfg.layout in ("speculators", "specforge"):
         aux = sorted(aux)  # both trainers' files hold the aux layers in ascending layer order

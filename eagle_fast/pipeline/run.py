@@ -45,6 +45,7 @@ from eagle_fast.pipeline.engine_setup import (
     engine_check,
     head_in_worker_settings,
 )
+from eagle_fast.pipeline.plan import check_space, disk_full, disk_plan
 from eagle_fast.pipeline.prepare import (
     Prepared,
     clean_temps,
@@ -306,6 +307,8 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
     longest = max((s.length for s in p.plan.samples), default=1)
     check_vllm_settings(cfg.vllm, cfg.engine, p.engine, longest, cfg.batch_tokens)
     head_in_worker_settings(cfg, p, ray if p.pending else None)  # refuses before anything starts
+    if cfg.space_check and p.pending:
+        check_space(disk_plan(p))  # the bytes still to write against --out's free space
     existed = p.root.exists()
     fresh = not existed or not any(p.root.iterdir())  # nothing of anyone's is in it yet
     p.root.mkdir(parents=True, exist_ok=True)
@@ -321,7 +324,13 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
                 p.root.rmdir()
             raise
     try:
-        return _extract_in(p, cfg, factory, pool, on_shard, t_start)
+        try:
+            return _extract_in(p, cfg, factory, pool, on_shard, t_start)
+        except Exception as exc:
+            full = disk_full(exc, p, {int(r["index"]) for r in p.manifest["shards"]})
+            if full is None:
+                raise
+            raise full from exc
     except UserError:
         if fresh and not p.manifest["shards"]:  # refused before any shard: leave --out as it was
             for child in list(p.root.iterdir()):
