@@ -87,7 +87,7 @@ def test_a_run_that_cannot_fit_is_refused_before_any_engine(tiny_llama, inputs, 
 
 
 def test_a_disk_that_fills_mid_run_is_a_clear_error_and_resumes(tiny_llama, inputs, tmp_path, monkeypatch):
-    data, vocab = inputs
+    data, _ = inputs
     reference = tmp_path / "reference"
     extract(_cfg(tiny_llama, data, reference, supervision="lse"))
     out = tmp_path / "out"
@@ -132,3 +132,24 @@ def test_cli_dry_run_needs_no_weights(tiny_llama, inputs, tmp_path, capsys):
     assert "on disk:" in text and "the seed's full fp32 logits" in text and "free" in text
     assert cli.main(argv) == 2 and "has no *.safetensors weights" in capsys.readouterr().err
     assert cli.main([*argv, "--json"]) == 2 and "--json applies to --dry-run" in capsys.readouterr().err
+
+
+def test_a_full_disk_is_found_through_chained_and_ray_causes(tiny_llama, inputs, tmp_path):
+    from eagle_fast.pipeline.prepare import prepare
+
+    data, _ = inputs
+    p = prepare(_cfg(tiny_llama, data, tmp_path / "out", supervision="lse"))
+
+    class RayTaskError(RuntimeError):  # as ray.exceptions.RayTaskError carries a worker's exception
+        def __init__(self, cause):
+            super().__init__("worker failed")
+            self.cause = cause
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/data/ds/.shard-000002.safetensors.tmp")
+    chained = RuntimeError("the writer thread failed")
+    chained.__cause__ = full
+    for exc in (full, chained, RayTaskError(chained)):
+        err = P.disk_full(exc, p, {0})
+        assert err is not None and ".shard-000002.safetensors.tmp" in err.cause and "3 shards" in err.cause
+    assert P.disk_full(RuntimeError("something else"), p, set()) is None
+    assert P.disk_full(OSError(errno.EACCES, "Permission denied"), p, set()) is None

@@ -151,7 +151,8 @@ def disk_full(exc: BaseException, p: Prepared, committed: set[int]) -> UserError
     """The UserError for a write that hit a full disk (anywhere in `exc`'s causes), else None."""
     err: BaseException | None = exc
     while err is not None and not (isinstance(err, OSError) and err.errno in FULL_ERRNOS):
-        err = err.__cause__ or err.__context__
+        # chained causes, and a Ray worker's exception as its RayTaskError carries it (`cause`)
+        err = err.__cause__ or err.__context__ or getattr(err, "cause", None)
     if err is None:
         return None
     left = [s for s in p.pending if s.index not in committed]
