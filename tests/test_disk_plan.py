@@ -153,3 +153,34 @@ def test_a_full_disk_is_found_through_chained_and_ray_causes(tiny_llama, inputs,
         assert err is not None and ".shard-000002.safetensors.tmp" in err.cause and "3 shards" in err.cause
     assert P.disk_full(RuntimeError("something else"), p, set()) is None
     assert P.disk_full(OSError(errno.EACCES, "Permission denied"), p, set()) is None
+
+
+def test_a_real_tmpfs_that_fills_mid_run(tiny_llama, inputs, tmp_path):
+    """The same on a real filesystem: a tmpfs with room for the first shard only (the check
+    skipped, as another writer would fill it), then grown; skipped where mounting is not allowed."""
+    import subprocess
+
+    data, _ = inputs
+    reference = tmp_path / "reference"
+    extract(_cfg(tiny_llama, data, reference, supervision="lse"))
+    first = (reference / "shard-000000.safetensors").stat().st_size
+    total = sum(f.stat().st_size for f in reference.rglob("*") if f.is_file())
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+
+    def mount(*opts: str) -> bool:
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(opts), "tmpfs", str(mnt)],
+                              capture_output=True, check=False).returncode == 0
+
+    if not mount(f"size={first + (32 << 10)}"):
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN) here")
+    try:
+        out = mnt / "ds"
+        with pytest.raises(UserError, match=r"the disk filled while writing .*shard-00000[1-3].*are still to be "
+                                            r"written; the 1 shards committed so far are complete"):
+            extract(_cfg(tiny_llama, data, out, supervision="lse", space_check=False))
+        assert mount("remount", f"size={2 * total + (1 << 20)}")
+        assert extract(_cfg(tiny_llama, data, out, supervision="lse")).complete
+        assert tree_digest(out, skip_manifest=True) == tree_digest(reference, skip_manifest=True)
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True, check=False)

@@ -105,12 +105,23 @@ class SafetensorsWriter:
         if t.numel() == 0:
             return
         buf = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        os.pwrite(self._fd, buf, self._data_start + begin + row * row_bytes)
+        try:
+            os.pwrite(self._fd, buf, self._data_start + begin + row * row_bytes)
+        except OSError as exc:  # named: a full disk's error says which file it was writing
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
 
     def commit(self, late: dict[str, torch.Tensor] | None = None) -> Path:
         """Fsync and rename into place; `late` gives the late tensors (1-d), all of them."""
         if set(late or {}) != set(self._late):
             raise ValueError(f"commit needs the late tensors {sorted(self._late)}, got {sorted(late or {})}")
+        try:
+            return self._commit(late)
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from exc
+
+    def _commit(self, late: dict[str, torch.Tensor] | None) -> Path:
         if self._late:
             tensors = {n: late[n].detach().reshape(-1).to(self._late[n][0]) for n in self._late}
             for n, t in tensors.items():
