@@ -184,3 +184,32 @@ def test_a_real_tmpfs_that_fills_mid_run(tiny_llama, inputs, tmp_path):
         assert tree_digest(out, skip_manifest=True) == tree_digest(reference, skip_manifest=True)
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True, check=False)
+
+
+def test_merge_on_a_full_disk_stops_clearly_and_resumes(tiny_llama, inputs, tmp_path, monkeypatch):
+    from eagle_fast.pipeline import merge as M
+
+    data, _ = inputs
+    extract(_cfg(tiny_llama, data, tmp_path / "single", supervision="lse"))
+    nodes = [tmp_path / f"node{i}" for i in range(2)]
+    for i, node in enumerate(nodes):
+        extract(_cfg(tiny_llama, data, node, supervision="lse", shard=f"{i}/2"))
+    real_copy = M.shutil.copyfile
+    copied = []
+
+    def copyfile(src, dst):  # across filesystems (no hard link), and the disk fills after one file
+        if copied:
+            raise OSError(errno.ENOSPC, "No space left on device", str(dst))
+        copied.append(src)
+        return real_copy(src, dst)
+
+    monkeypatch.setattr(M.os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EXDEV, "cross-device")))
+    monkeypatch.setattr(M.shutil, "copyfile", copyfile)
+    out = tmp_path / "merged"
+    with pytest.raises(UserError, match=r"the disk filled while bringing .* files, about .* are still to be "
+                                        r"brought; those brought so far are kept") as exc:
+        M.merge(str(out), [str(n) for n in nodes])
+    assert "re-run the same `eagle-fast merge`" in exc.value.fix
+    monkeypatch.undo()
+    M.merge(str(out), [str(n) for n in nodes])
+    assert tree_digest(out, skip_manifest=True) == tree_digest(tmp_path / "single", skip_manifest=True)

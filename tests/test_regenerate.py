@@ -249,3 +249,34 @@ def test_source_line_is_read_and_checked():
     for bad in (0, -2, "4", True, 1.5):
         with pytest.raises(UserError, match=r"f:3: \"source_line\" must be a positive line number"):
             parse_line("f", 3, json.dumps({"text": "a", "source_line": bad}))
+
+
+def test_a_full_disk_stops_clearly_and_resumes(tmp_path, qwen_tok, fake_engine_run, monkeypatch):
+    import errno
+
+    tok_dir = tmp_path / "model"
+    qwen_tok.save_pretrained(tok_dir)
+    data = _data(tmp_path)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    fake_engine_run()
+    R.regenerate(_config(whole, tok_dir, data))
+    real = R.atomic_write_json
+    calls = []
+
+    def full_after_two(path, obj):
+        calls.append(path)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, obj)
+
+    monkeypatch.setattr(R, "atomic_write_json", full_after_two)
+    part = tmp_path / "part"
+    part.mkdir()
+    with pytest.raises(UserError, match=r"the disk filled while writing .*out.jsonl.part .*: 4 rows are still to be "
+                                        r"written; the chunks finished so far are kept") as exc:
+        R.regenerate(_config(part, tok_dir, data))
+    assert "resumes from the last finished chunk" in exc.value.fix
+    monkeypatch.setattr(R, "atomic_write_json", real)
+    R.regenerate(_config(part, tok_dir, data))
+    assert (part / "out.jsonl").read_bytes() == (whole / "out.jsonl").read_bytes()

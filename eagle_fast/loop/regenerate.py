@@ -21,6 +21,7 @@ Limits: the input is read whole up front; rows are written per chunk, not per ro
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -244,7 +245,16 @@ def regenerate(cfg: RegenerateConfig, ray=None) -> Summary:
             results = local_chunks(cfg, [chunks[c] for c in pending])
         rate = _Rate(sum(len(chunks[c]) for c in pending))
         for c, outputs in zip(pending, results):
-            _commit_chunk(cfg, state, summary, c, outputs, kept if c == pending[0] else 0)
+            try:
+                _commit_chunk(cfg, state, summary, c, outputs, kept if c == pending[0] else 0)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                    raise
+                left = sum(len(chunks[d]) for d in pending if d >= c)
+                raise UserError(f"the disk filled while writing {part_path(cfg.out)} ({exc.strerror}): {left:,} rows "
+                                "are still to be written; the chunks finished so far are kept",
+                                "free space, then re-run the same command: it resumes from the last finished "
+                                "chunk") from exc
             summary.run_tokens += sum(o.tokens for o in outputs)
             rate.update(len(outputs), sum(o.tokens for o in outputs), force=c == pending[-1])
     summary.seconds = time.perf_counter() - t0

@@ -9,6 +9,7 @@ differ by ~1e-7 in a rare token).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 
 from eagle_fast.errors import UserError
 from eagle_fast.files import atomic_write_json, fsync_dir, sha256_file, temp_path_for
+from eagle_fast.pipeline.config import fmt_bytes
 from eagle_fast.store import spec_from_manifest
 from eagle_fast.store.manifest import (
     MANIFEST_NAME,
@@ -86,10 +88,10 @@ def merge(out: str, sources: list[str] | None = None) -> dict:
                             f"({len(m['shards'])}/{len(part_slice(m['num_shards'], (i, count)))} shards)",
                             f"re-run `eagle-fast extract ... --shard {i}/{count}` to finish it")
     shards: dict[int, dict] = {}
+    todo = []
     for i, (m, src) in sorted(parts.items()):
         for rec in m["shards"]:
-            for f in rec["files"]:
-                _bring(src / f["path"], root / f["path"], f)
+            todo += [(src / f["path"], root / f["path"], f) for f in rec["files"]]
             shards[int(rec["index"])] = rec
     if sorted(shards) != list(range(first["num_shards"])):
         raise UserError("the parts do not cover every shard exactly once", "re-run the split with one N")
@@ -97,8 +99,9 @@ def merge(out: str, sources: list[str] | None = None) -> dict:
     for i, (m, src) in sorted(parts.items()):
         for f in m.get("extra_files", []):
             if f["path"] not in extra:
-                _bring(src / f["path"], root / f["path"], f)
+                todo.append((src / f["path"], root / f["path"], f))
                 extra[f["path"]] = f
+    _bring_all(todo)
     merged = {k: v for k, v in first.items()}
     merged["part"] = None
     merged["shards"] = [shards[g] for g in sorted(shards)]
@@ -134,6 +137,21 @@ def _speculators_arrow_from_files(root: Path, m: dict) -> None:
                 pairs.append((h.get_tensor("token_ids").tolist(),
                               h.get_tensor("loss_mask").to(torch.int64).tolist()))
     write_speculators_arrow(root, pairs)
+
+
+def _bring_all(items: list[tuple[Path, Path, dict]]) -> None:
+    """Bring every file; a full disk stops with what is left to bring (a rerun resumes: files
+    already in place are checked, not brought again)."""
+    for n, (src, dst, rec) in enumerate(items):
+        try:
+            _bring(src, dst, rec)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            left = sum(int(r["bytes"]) for _, _, r in items[n:])
+            raise UserError(f"the disk filled while bringing {src} to {dst} ({exc.strerror}): {len(items) - n} "
+                            f"files, about {fmt_bytes(left)}, are still to be brought; those brought so far are kept",
+                            "free space, then re-run the same `eagle-fast merge`: it resumes") from exc
 
 
 def _bring(src: Path, dst: Path, rec: dict) -> None:
