@@ -19,8 +19,10 @@ from pathlib import Path
 from eagle_fast import __version__
 from eagle_fast.chat import ChatFormat
 from eagle_fast.cli_args import (
+    MODEL_HELP,
     add_chat_args,
     add_data_args,
+    add_revision,
     add_vllm_args,
     chat_format,
     vllm_settings,
@@ -28,6 +30,7 @@ from eagle_fast.cli_args import (
 from eagle_fast.cli_loop import add_loop_parsers, cmd_accept, cmd_regenerate
 from eagle_fast.demo import run_demo
 from eagle_fast.errors import UserError
+from eagle_fast.hub import resolve_model
 from eagle_fast.memory import return_freed_memory
 from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.distributed import RayOptions
@@ -76,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("extract", help="extract a dataset (resumable)",
                        description="Run the target over a jsonl dataset and write EAGLE-3 supervision.")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory of the target")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    add_revision(p)
     p.add_argument("--data", required=True, help="jsonl: one of messages | text | input_ids (+loss_mask) per line")
     p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
@@ -140,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_vllm_args(p)
 
     p = sub.add_parser("vocab", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
-    p.add_argument("--model", required=True, help="checkpoint directory (for its tokenizer and vocab size)")
+    p.add_argument("--model", required=True, help=MODEL_HELP + "; its config and tokenizer only")
+    add_revision(p)
     p.add_argument("--data", required=True, help="jsonl, as for extract")
     p.add_argument("--size", type=int, default=32000, help="draft vocabulary size (default 32000)")
     p.add_argument("--out", required=True, help="output file (.pt or .safetensors)")
@@ -149,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="recompute random samples with transformers and compare")
     p.add_argument("dir", help="dataset directory")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the one in the manifest)")
+    p.add_argument("--model", default=None, help=MODEL_HELP + " (default: the one in the manifest)")
+    add_revision(p)
     p.add_argument("--samples", type=int, default=8, help="samples to recompute (default 8)")
     p.add_argument("--seed", type=int, default=0, help="which random samples (default 0)")
     p.add_argument("--tolerance-scale", type=float, default=1.0, help="multiply every tolerance (default 1)")
@@ -163,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-mask", type=int, default=None, metavar="N",
                    help="print sample N of the dataset (or line N of a data file) with its supervised "
                         "tokens between [[ and ]]")
+    add_revision(p)
     p.add_argument("--model", default=None,
                    help="--show-mask: the checkpoint whose tokenizer renders the data file (a dataset: "
                         "default the one in its manifest)")
@@ -175,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve EAGLE-3 supervision to NeMo AutoModel trainers over HTTP",
                        description="NeMo AutoModel 0.7.0's remote-target server (point recipe_args.remote_urls "
                                    "at it); waiting requests are batched into one engine call.")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory of the target")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    add_revision(p)
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
                    help="vllm (default when installed and it can capture the model) or hf (transformers)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
@@ -217,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_extract(a: argparse.Namespace) -> int:
+    ref = resolve_model(a.model, a.revision, weights=not a.dry_run)  # a plan needs no weights
     cfg = ExtractConfig(
-        model=a.model, data=a.data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
+        model=ref.path, model_source=ref.describe(), data=a.data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
         supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
@@ -243,14 +252,15 @@ def cmd_extract(a: argparse.Namespace) -> int:
 
 
 def cmd_vocab(a: argparse.Namespace) -> int:
-    build_vocab(a.model, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong, chat=chat_format(a))
+    build_vocab(resolve_model(a.model, a.revision, weights=False).path, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong, chat=chat_format(a))
     return 0
 
 
 def cmd_verify(a: argparse.Namespace) -> int:
     if a.samples < 1:
         raise UserError(f"--samples must be at least 1, got {a.samples}", "pass e.g. --samples 8")
-    ok, reports, picks = verify(a.dir, a.model, samples=a.samples, seed=a.seed, tol_scale=a.tolerance_scale,
+    model = resolve_model(a.model, a.revision).path if a.model is not None else None
+    ok, reports, picks = verify(a.dir, model, samples=a.samples, seed=a.seed, tol_scale=a.tolerance_scale,
                                 accept_engine_numerics=a.accept_engine_numerics)
     print(verify_report(ok, reports, picks, a.dir))
     return 0 if ok else 1
@@ -258,7 +268,8 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     if a.show_mask is not None:
-        print(show_mask_text(a.dir, a.show_mask, a.model, chat_format(a)))
+        model = resolve_model(a.model, a.revision, weights=False).path if a.model is not None else None
+        print(show_mask_text(a.dir, a.show_mask, model, chat_format(a)))
         return 0
     if a.model is not None or chat_format(a) != ChatFormat():
         raise UserError("--model and the chat options of inspect apply with --show-mask N",
@@ -283,7 +294,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     the engine is built: glibc returns freed memory (`return_freed_memory`), and a CPU server on
     transformers loads no Triton (`keep_triton_out`)."""
     server = TargetServer(ServeConfig(
-        model=a.model, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers, host=a.host, port=a.port,
+        model=resolve_model(a.model, a.revision).path, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers,
+        host=a.host, port=a.port,
         probs_dtype=a.probs_dtype, max_len=a.max_len, max_batch_tokens=a.max_batch_tokens,
         exit_when_idle=a.exit_when_idle, supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, tail=a.tail,
         vllm=vllm_settings(a), engine_check=not a.no_engine_check,

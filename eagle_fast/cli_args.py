@@ -67,3 +67,12 @@ def vllm_settings(a: argparse.Namespace) -> VLLMSettings:
         engine_args=parse_engine_args(a.engine_args) if a.engine_args is not None else {},
         capture_dir=a.capture_dir,
     )
+
+
+MODEL_HELP = "local checkpoint directory, or Hugging Face Hub id (ORG/NAME, resolved through its cache)"
+
+
+def add_revision(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--revision", default=None, metavar="REV",
+                   help="--model as a Hub id: the branch, tag or commit (default: the default branch); the "
+                        "manifest records the commit it resolved to")

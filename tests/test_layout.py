@@ -27,7 +27,7 @@ MAX_LINES = 500
 # The stages in data-flow order (ARCHITECTURE.md). A module may import its own stage and the
 # stages before it, never one after it.
 STAGES = [
-    ("foundation", ("eagle_fast", "eagle_fast.errors", "eagle_fast.dtypes", "eagle_fast.files",
+    ("foundation", ("eagle_fast", "eagle_fast.errors", "eagle_fast.dtypes", "eagle_fast.files", "eagle_fast.hub",
                     "eagle_fast.memory", "eagle_fast.tiny", "eagle_fast.data")),
     ("inputs", ("eagle_fast.chat", "eagle_fast.inputs")),
     ("kernels", ("eagle_fast.kernels",)),

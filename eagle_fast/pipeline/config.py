@@ -74,6 +74,7 @@ class ExtractConfig:
     chat: ChatFormat = field(default_factory=ChatFormat)  # how chat lines render and mask
     engine_check: bool = True  # vLLM: captures against the engine's own log-probs first (engine_setup.py)
     space_check: bool = True  # refuse up front when the pending bytes exceed --out's free space (plan.py)
+    model_source: dict | None = None  # a Hub model's id, revision and commit (hub.ModelRef.describe)
 
 
 @dataclass

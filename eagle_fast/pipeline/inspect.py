@@ -48,6 +48,9 @@ def inspect_text(directory: str) -> str:
         (f"model       {m['model']['id']} ({', '.join(m['model']['architectures']) or '?'}; "
          f"{m['model']['num_hidden_layers']} layers, hidden {m['model']['hidden_size']}, "
          f"vocab {m['model']['vocab_size']:,})"),
+        *([f"hub         {m['model']['hub']['id']} at commit {m['model']['hub']['commit']}"
+           + (f" (--revision {m['model']['hub']['revision']})" if m["model"]["hub"].get("revision") else "")]
+          if m["model"].get("hub") else []),
         f"engine      {m['settings']['engine']}, dtype {m['settings']['dtype']}, aux layers {m['aux_layer_ids']}",
         "aux dtype   " + ("fp8 (float8_e4m3fn, one fp32 scale per token)" if m["settings"].get("aux_dtype") == "fp8"
                           else f"{m['settings']['dtype']} (the target dtype)"),

@@ -152,7 +152,8 @@ def disk_full(exc: BaseException, p: Prepared, committed: set[int]) -> UserError
     err: BaseException | None = exc
     while err is not None and not (isinstance(err, OSError) and err.errno in FULL_ERRNOS):
         # chained causes, and a Ray worker's exception as its RayTaskError carries it (`cause`)
-        err = err.__cause__ or err.__context__ or getattr(err, "cause", None)
+        ray_cause = getattr(err, "cause", None)  # (UserError's `cause` is its text, not an exception)
+        err = err.__cause__ or err.__context__ or (ray_cause if isinstance(ray_cause, BaseException) else None)
     if err is None:
         return None
     left = [s for s in p.pending if s.index not in committed]

@@ -202,6 +202,7 @@ def _initial_manifest(cfg, info, plan, shards, part, engine, aux, kind, spec, la
             "num_hidden_layers": info.num_hidden_layers,
             "hidden_size": info.hidden_size,
             "vocab_size": info.vocab_size,
+            **({"hub": cfg.model_source} if cfg.model_source else {}),
         },
         "data": {
             "path": str(Path(cfg.data).resolve()),
