@@ -99,3 +99,18 @@ def test_bad_references_are_refused_before_anything_is_written(hub, tmp_path, ti
     r = _cli(root, "extract", "--model", "org/binonly", "--data", str(data), "--out", str(out), "--engine", "hf",
              "--max-len", "96", "--dry-run")  # a plan needs the config and tokenizer only
     assert r.returncode == 0 and "on disk:" in r.stdout, r.stderr[-1500:]
+
+
+def test_a_ray_worker_without_the_drivers_snapshot_reads_the_same_commit(hub, tmp_path):
+    """`distributed.node_model`, as a worker on another node calls it: the driver's path when it
+    is there, else the commit the driver resolved (not the branch, which may have moved)."""
+    root, repo, _ = hub
+    code = ("import json, sys; from eagle_fast.pipeline.distributed import node_model; "
+            "print(json.dumps([node_model(sys.argv[1], None), node_model('/elsewhere/snap', "
+            "{'id': 'org/tiny', 'revision': 'main', 'commit': sys.argv[2]})]))")
+    env = {**os.environ, "HF_HOME": str(root), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-c", code, str(repo / "snapshots" / MAIN), OTHER], env=env, cwd=REPO,
+                       capture_output=True, text=True, check=False, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    here, elsewhere = json.loads(r.stdout.strip().splitlines()[-1])
+    assert here == str(repo / "snapshots" / MAIN) and Path(elsewhere).name == OTHER

@@ -32,6 +32,7 @@ import torch
 
 from eagle_fast.errors import UserError
 from eagle_fast.files import atomic_write_bytes
+from eagle_fast.hub import resolve_model
 from eagle_fast.inputs import ShardPlan, plan_batches
 from eagle_fast.pipeline.engine_setup import build_runner, check_sequences, engine_check
 from eagle_fast.pipeline.prepare import Prepared, clean_temps
@@ -54,6 +55,14 @@ SHARED_FIX = ("put --out on storage that every Ray node mounts at the same path 
               "run without --ray (or with --shard I/N on each node, then `eagle-fast merge`)")
 SHARD_ATTEMPTS = 3  # a shard that has killed this many workers stops the run
 IN_FLIGHT = 2  # shards per worker: one on its engine, the next one waiting to start at once
+
+
+def node_model(path: str, source: dict | None) -> str:
+    """The model directory on this node: the driver's, where this node sees it; else, for a Hub
+    model, the commit the driver resolved, from this node's own Hugging Face cache (or the Hub)."""
+    if Path(path).is_dir() or not source:
+        return path
+    return resolve_model(source["id"], source["commit"]).path
 
 
 def import_ray():
@@ -153,6 +162,7 @@ class _Job:
     factory: Any
     check: list  # the engine check's sequences (engine_setup.check_sequences), run on every build
     engine_check: bool = True
+    model_source: dict | None = None  # a Hub model's id and commit: a node without the driver's snapshot
 
 
 class _ShardWorker:
@@ -208,7 +218,8 @@ class _ShardWorker:
         if self.runner is not None:
             return
         j = self.job
-        runner = build_runner(j.factory, j.engine, j.model, j.dtype, j.max_len, j.aux_layer_ids)
+        model = node_model(j.model, j.model_source)  # the driver's commit, on any node
+        runner = build_runner(j.factory, j.engine, model, j.dtype, j.max_len, j.aux_layer_ids)
         try:
             self.checked = engine_check(runner, j.engine, j.check, j.engine_check)
         except BaseException:
@@ -292,7 +303,7 @@ class _Pool:
         job = _Job(p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples), p.aux_layer_ids,
                    p.spec, str(Path(opts.worker_out or p.root).resolve()), p.draft_ids, p.spec.k,
                    p.cfg.batch_tokens, p.cfg.queue_batches, None if gpus else max(1, int(cpus)), factory,
-                   check_sequences(p), p.cfg.engine_check)
+                   check_sequences(p), p.cfg.engine_check, p.cfg.model_source)
         # The driver's engine-path choice (the CLI selects vLLM's V1 runner) reaches every worker,
         # also on nodes whose Ray was started without it.
         env = {k: os.environ[k] for k in V1_RUNNER_ENV if k in os.environ}
