@@ -146,3 +146,22 @@ def test_llama4_tool_calls_are_supervised_after_their_special_opener(tmp_path, t
     assert '"name": "get_weather", "parameters": {"city": "Paris"}' in supervised
     assert '"name": "get_weather", "parameters": {"city": "Rome"}' in supervised
     assert "Sunny" not in supervised and "Rain" not in supervised and "Weather in" not in supervised
+
+
+def test_mistral_tool_calls_after_their_special_token_match_the_oracle(tmp_path):
+    """Mistral v11 writes a call turn as content[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}</s>, its
+    ids 9 characters: the calls after [TOOL_CALLS] are the assistant's too (the marked oracle)."""
+    tok = tokenizer("mistral", tmp_path)
+    chat = ChatFormat(template=shipped("mistral"))
+    msgs = [{"role": "user", "content": "Weather in Paris and Rome?"},
+            {"role": "assistant", "content": "", "tool_calls": [call("Paris", cid="call00001"),
+                                                               call("Rome", True, cid="call00002")]},
+            {"role": "tool", "tool_call_id": "call00001", "content": "Sunny, 21C"},
+            {"role": "tool", "tool_call_id": "call00002", "content": "Rain, 14C"},
+            {"role": "assistant", "content": "Paris is sunny; Rome is rainy."}]
+    rec = _rec({"tools": TOOLS, "messages": msgs})
+    ids, mask = tokenize_record(rec, tok, "data.jsonl", chat)
+    assert (ids, mask) == oracle_mask(tok, for_template(rec.value, chat.template), oracle("mistral"), tools=TOOLS)
+    supervised = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert 'get_weather[CALL_ID]call00002[ARGS]{"city": "Rome"}' in supervised
+    assert "Sunny" not in supervised and "[AVAILABLE_TOOLS]" not in supervised
