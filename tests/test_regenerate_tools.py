@@ -112,3 +112,18 @@ def test_the_report_counts_cut_conversations(tmp_path, qwen, monkeypatch):
     report = json.loads(R.report_path(tmp_path / "o.jsonl").read_text())
     assert s.regenerated == 2 and report["cut"] == 1 and report["rows_cut"] == [{"line": 1, "after_message": 1}]
     assert "1 conversations cut after a tool call" in s.text()
+
+
+def test_calls_written_with_special_tokens_are_still_read(tmp_path):
+    """A tokenizer that marks <tool_call> special (Hermes-2-Pro does): the text the parser reads
+    keeps it, as vLLM keeps it for its parsers; only the stop token is dropped."""
+    from eagle_fast import tiny
+
+    tok = tiny.build_tokenizer(tmp_path / "tok", 600)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"],
+                            "eos_token": "<|im_end|>"})
+    tok.add_tokens(["<think>", "</think>"])
+    out, row, _ = _regen(tmp_path, tok, lambda text, line: "Both fetched." if "<tool_response>" in text
+                         else hermes("Paris", "Rome"))
+    assert out.cut is None and [c["id"] for c in row["messages"][1]["tool_calls"]] == ["c1", "c2"]
+    assert row["messages"][4]["content"] == "Both fetched."

@@ -176,6 +176,22 @@ def passthrough(row: Row) -> TurnOutput:
     return TurnOutput(row.line, text=dump_row(obj), passed_through=True)
 
 
+def decode(tok, outputs: list[list[int]], keep_special: bool = False) -> list[str]:
+    """Generated ids as text. `keep_special` (a tool parser reads the text): special tokens stay,
+    as vLLM keeps them for its parsers (some models mark <tool_call> special), but for the stop
+    token(s) that end the turn."""
+    if not keep_special:
+        return tok.batch_decode(outputs, skip_special_tokens=True)
+    special = set(tok.all_special_ids)
+    trimmed = []
+    for ids in outputs:
+        end = len(ids)
+        while end and ids[end - 1] in special:
+            end -= 1
+        trimmed.append(ids[:end])
+    return tok.batch_decode(trimmed, skip_special_tokens=False)
+
+
 def run_chunk(rows: list[Row], tok, fmt: ChatFormat, generate: Generate, max_model_len: int,
               reasoning: str = "keep", on_round: Callable[[int, int], None] | None = None,
               tool_turns: str = "keep", parse: ParseCalls | None = None) -> list[TurnOutput]:
@@ -217,7 +233,7 @@ def run_chunk(rows: list[Row], tok, fmt: ChatFormat, generate: Generate, max_mod
             batch.append((conv, list(ids)))
         if batch:
             results = generate([(ids, conv.row.line) for conv, ids in batch])
-            decoded = tok.batch_decode([r[0] for r in results], skip_special_tokens=True)
+            decoded = decode(tok, [r[0] for r in results], keep_special=parse is not None)
             for (conv, _), (out_ids, finish), text in zip(batch, results, decoded):
                 conv.answer(out_ids, text, finish)
             if on_round is not None:
