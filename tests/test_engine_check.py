@@ -69,3 +69,26 @@ def test_check_sequences_are_the_first_shards_first_samples():
     seqs = check_sequences(p)
     assert seqs == [list(range(CHECK_TOKENS)), list(range(30)), list(range(40))]  # a 1-token sample has no position
     assert len(seqs) <= CHECK_SEQUENCES and check_sequences(SimpleNamespace(pending=[])) == []
+
+
+def test_the_engine_diff_runs_in_row_blocks_with_the_same_figures():
+    """`captures.diff_against_engine` bounds the head's fp32 rows per call (a real vocabulary's
+    [T, V] would take GBs); any block size gives the figures of one whole call (up to rounding)."""
+    from eagle_fast.head import HeadSpec, TargetHead
+    from eagle_fast.runners.captures import diff_against_engine
+
+    torch.manual_seed(0)
+    V, H, T = 300, 32, 23
+    head = TargetHead(torch.randn(V, H), torch.rand(H) + 0.5, HeadSpec(norm="rms", eps=1e-6))
+    final = torch.randn(T, H)
+    full = head.compute(final, ("logprobs",)).logprobs
+    lps = [None] + [{int(i): float(full[t - 1, i]) + (0.01 if t == 7 else 0.0) for i in full[t - 1].topk(5).indices}
+                    for t in range(1, T)]
+    whole = diff_against_engine(head, [lps], [(None, final)])
+    assert whole["positions"] == T - 1 and whole["top1_agreement"] == 1.0
+    assert abs(whole["max_abs_err"] - 0.01) < 1e-5
+    for rows in (1, 5, 22):  # the same figures, up to the GEMM's rounding for another row count
+        part = diff_against_engine(head, [lps], [(None, final)], max_bytes=4 * V * rows)
+        assert (part["positions"], part["top1_agreement"]) == (whole["positions"], whole["top1_agreement"])
+        for key in ("max_abs_err", "max_abs_logit"):
+            assert part[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key

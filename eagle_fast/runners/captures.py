@@ -36,6 +36,7 @@ import torch
 __all__ = [
     "AheadStats",
     "RowScan",
+    "diff_against_engine",
     "free_bytes",
     "process_start",
     "run_ahead",
@@ -387,3 +388,36 @@ def sweep_orphaned_storage(parent: str) -> list[str]:
     if removed:
         logger.info("removed %d capture dir(s) left by dead runners: %s", len(removed), removed)
     return removed
+
+
+ENGINE_DIFF_BYTES = 256 << 20  # the fp32 log-prob rows one head call of the engine check holds
+
+
+def diff_against_engine(head, engine_lps: list, captures: list, max_bytes: int = ENGINE_DIFF_BYTES) -> dict:
+    """Log-probs rebuilt by `head` from each capture's final hidden state against vLLM's own
+    prompt log-probs (`engine_lps[s][t]`: {id: logprob} after tokens [0, t); our row t - 1).
+
+    Returns top1_agreement, max_abs_err over every id vLLM reports, positions, and
+    max_abs_logit (our largest |logit| there, which scales a 16-bit tolerance). The head runs on
+    row blocks whose fp32 [rows, V] log-probs stay within `max_bytes` (a real vocabulary's rows
+    are 0.6 MB each), and only the ids vLLM reports are kept.
+    """
+    agree, total, max_err, max_logit = 0, 0, 0.0, 0.0
+    rows_per_call = max(1, max_bytes // (4 * head.vocab_size))
+    for lps, (_, final) in zip(engine_lps, captures):
+        n = len(lps) - 1  # vLLM reports positions 1..len-1: our rows 0..len-2
+        for r0 in range(0, n, rows_per_call):
+            r1 = min(n, r0 + rows_per_call)
+            out = head.compute(final[r0:r1], ("logprobs", "lse"))
+            ours = out.logprobs.float().cpu()
+            max_logit = max(max_logit, float((ours + out.lse.float().cpu()[:, None]).abs().max()))
+            for t in range(r0 + 1, r1 + 1):
+                entry = lps[t]
+                ids = torch.tensor(list(entry))
+                vals = torch.tensor(list(entry.values()))
+                row = ours[t - 1 - r0]
+                max_err = max(max_err, float((row[ids] - vals).abs().max()))
+                agree += int(int(row.argmax()) == max(entry, key=entry.get))
+                total += 1
+    return {"top1_agreement": agree / max(total, 1), "max_abs_err": max_err, "positions": total,
+            "max_abs_logit": max_logit}

@@ -54,6 +54,7 @@ from eagle_fast.runners.base import (
 )
 from eagle_fast.runners.captures import (
     AheadStats,
+    diff_against_engine,
     free_bytes,
     run_ahead,
     split_capture,
@@ -481,19 +482,4 @@ class VLLMTargetRunner(RunnerBase):
         wrong final-hidden capture shows here first.
         """
         engine_lps, captures = self.engine_prompt_logprobs(sequences, num_logprobs)
-        agree, total, max_err, max_logit = 0, 0, 0.0, 0.0
-        for lps, (_, final) in zip(engine_lps, captures):
-            out = self.head.compute(final, ("logprobs", "lse"))
-            ours = out.logprobs.float().cpu()
-            if ours.shape[0] > 1:  # rows vLLM reports on: all but the last
-                max_logit = max(max_logit, float((ours + out.lse.float().cpu()[:, None])[:-1].abs().max()))
-            for t in range(1, len(lps)):
-                entry = lps[t]
-                ids = torch.tensor(list(entry))
-                vals = torch.tensor(list(entry.values()))
-                max_err = max(max_err, float((ours[t - 1, ids] - vals).abs().max()))
-                top = max(entry, key=entry.get)
-                agree += int(int(ours[t - 1].argmax()) == top)
-                total += 1
-        return {"top1_agreement": agree / max(total, 1), "max_abs_err": max_err, "positions": total,
-                "max_abs_logit": max_logit}
+        return diff_against_engine(self.head, engine_lps, captures)
