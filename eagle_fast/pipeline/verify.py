@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -140,20 +141,39 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
 
         draft_ids = load_file(str(Path(directory) / "draft_vocab.safetensors"))["selected_token_ids"]
     factory = runner_factory or default_runner_factory
-    args = (factory, model, m, ds, picks, spec, layout, unquantised, draft_ids, tol_scale)
-    reports = recompute("hf", *args)
+    job = VerifyJob(factory, model, m, ds, picks, spec, layout, unquantised, draft_ids, tol_scale)
+    reports = recompute("hf", job)
     ok = all(r.ok for r in reports)
     if not ok and m["settings"]["engine"] == "vllm" and (runner_factory or importlib.util.find_spec("vllm")):
-        engine = [replace(r, against="engine") for r in recompute("vllm", *args)]
+        engine = [replace(r, against="engine") for r in recompute("vllm", job)]
         if all(r.ok for r in engine):  # stored = the engine's: transformers is the one that differs
             ok = accept_engine_numerics
         reports += engine
     return ok, reports, picks
 
 
-def recompute(engine: str, factory, model, m, ds, picks, spec, layout, unquantised, draft_ids,
-              tol_scale) -> list[FieldReport]:
-    """The stored fields of samples `picks` against the same samples recomputed on `engine`."""
+@dataclass(frozen=True)
+class VerifyJob:
+    """What a recomputation takes, on either engine: the runner factory, the model, the dataset
+    (`m` its manifest, `ds` its reader, `picks` the samples), its layout (and the unquantised
+    one fp8 fields are held to), the draft ids and the tolerance scale."""
+
+    factory: Any
+    model: str
+    m: dict
+    ds: Any
+    picks: list[int]
+    spec: Any
+    layout: Any
+    unquantised: Any
+    draft_ids: torch.Tensor | None
+    tol_scale: float
+
+
+def recompute(engine: str, job: VerifyJob) -> list[FieldReport]:
+    """The stored fields of samples `job.picks` against the same samples recomputed on `engine`."""
+    factory, model, m, ds, picks = job.factory, job.model, job.m, job.ds, job.picks
+    spec, layout, unquantised, draft_ids, tol_scale = job.spec, job.layout, job.unquantised, job.draft_ids, job.tol_scale
     runner = factory(engine, model, SHORT_NAMES[m["settings"]["dtype"]], m["settings"]["max_len"])
     stored_all: dict[str, list[torch.Tensor]] = {}
     recomputed_all: dict[str, list[torch.Tensor]] = {}
