@@ -28,6 +28,7 @@ from typing import Any
 
 from eagle_fast.chat import REASONING_FIELDS, ChatFormat, ChatMaskError, encode_chat
 from eagle_fast.errors import UserError, bad_line
+from eagle_fast.sources import open_source, table_rows
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -146,7 +147,7 @@ def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dic
         else:
             msg["content"] = content
         for extra in ("name", "tool_call_id"):
-            if not sharegpt and extra in m:
+            if not sharegpt and m.get(extra) is not None:  # a table's message structs hold nulls
                 msg[extra] = m[extra]
         given = {name: m[name] for name in REASONING_FIELDS if m.get(name) is not None}
         if given:
@@ -191,7 +192,17 @@ def parse_line(path: str, line: int, raw: str) -> Record:
         raise bad_line(path, line, f"invalid JSON ({exc.msg} at column {exc.colno})", _FIX_FORMAT) from None
     if not isinstance(obj, dict):
         raise bad_line(path, line, f"expected a JSON object, got {type(obj).__name__}", _FIX_FORMAT)
-    rec = _parse_object(path, line, obj)
+    return _with_source(path, line, obj, _parse_object(path, line, obj))
+
+
+def parse_row(path: str, line: int, obj: Any) -> Record:
+    """One row of a table or JSON array (`line`: its number from 1), as `parse_line` reads a line."""
+    if not isinstance(obj, dict):
+        raise bad_line(path, line, f"expected an object, got {type(obj).__name__}", _FIX_FORMAT)
+    return _with_source(path, line, obj, _parse_object(path, line, obj))
+
+
+def _with_source(path: str, line: int, obj: dict, rec: Record) -> Record:
     source = obj.get("source_line")
     if source is not None:
         if isinstance(source, bool) or not isinstance(source, int) or source < 1:
@@ -235,10 +246,15 @@ def _parse_object(path: str, line: int, obj: dict) -> Record:
 
 
 def read_records(path: str | os.PathLike) -> tuple[list[Record], str]:
-    """All records of a jsonl file plus the file's sha256; the first bad line raises."""
+    """All records of `--data` plus its sha256 (`sources`: jsonl, a JSON array, parquet / Arrow, a
+    save_to_disk directory); the first bad line (or row) raises."""
+    src = open_source(path)
+    if src.kind != "jsonl":
+        records = [parse_row(src.path, n, obj) for n, obj in table_rows(src)]
+        if not records:
+            raise UserError(f"--data {src.path} has no rows", "give it at least one row")
+        return records, src.digest()
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"data file {p} not found", "pass --data FILE.jsonl (one JSON object per line)")
     data = p.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     try:

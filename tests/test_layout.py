@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = {"vllm", "transformers", "tokenizers", "datasets", "ray", "nemo_automodel", "triton"}
+HEAVY = {"vllm", "transformers", "tokenizers", "datasets", "pyarrow", "ray", "nemo_automodel", "triton"}
 LAZY_MODULES = {"eagle_fast.kernels.lm_head_triton": "needs triton, an optional engine"}
 MAX_LINES = 500
 # The stages in data-flow order (ARCHITECTURE.md). A module may import its own stage and the
@@ -29,7 +29,7 @@ MAX_LINES = 500
 STAGES = [
     ("foundation", ("eagle_fast", "eagle_fast.errors", "eagle_fast.dtypes", "eagle_fast.files", "eagle_fast.hub",
                     "eagle_fast.memory", "eagle_fast.tiny", "eagle_fast.data")),
-    ("inputs", ("eagle_fast.chat", "eagle_fast.inputs")),
+    ("inputs", ("eagle_fast.chat", "eagle_fast.sources", "eagle_fast.inputs")),
     ("kernels", ("eagle_fast.kernels",)),
     ("supervision", ("eagle_fast.supervision",)),
     ("target", ("eagle_fast.checkpoint", "eagle_fast.head", "eagle_fast.runners")),

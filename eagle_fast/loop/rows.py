@@ -21,7 +21,8 @@ from typing import Any
 
 from eagle_fast.chat import ChatFormat, for_template, render
 from eagle_fast.errors import UserError
-from eagle_fast.inputs import Record, parse_line
+from eagle_fast.inputs import Record, parse_line, parse_row
+from eagle_fast.sources import open_source, table_rows
 
 
 @dataclass
@@ -47,10 +48,12 @@ class Failure:
 
 def read_rows(path: str | os.PathLike) -> tuple[list[Row], list[Failure], int, str]:
     """(rows, failures, lines read, the file's sha256). A bad line is a Failure, never fatal;
-    a missing or empty file is (UserError)."""
+    a missing or empty file is (UserError). Every form `extract` reads (`sources`): a table's rows
+    are numbered from 1 as a jsonl file's lines are."""
+    src = open_source(path)
+    if src.kind != "jsonl":
+        return _table_rows(src)
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"data file {p} not found", "pass --data FILE.jsonl (one JSON object per line)")
     data = p.read_bytes()
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
@@ -73,6 +76,22 @@ def read_rows(path: str | os.PathLike) -> tuple[list[Row], list[Failure], int, s
             continue
         rows.append(Row(n, json.loads(text), record))
     return rows, failures, len(lines), hashlib.sha256(data).hexdigest()
+
+
+def _table_rows(src) -> tuple[list[Row], list[Failure], int, str]:
+    rows: list[Row] = []
+    failures: list[Failure] = []
+    n = 0
+    for n, obj in table_rows(src):
+        try:
+            record = parse_row(src.path, n, obj)
+        except UserError as exc:
+            failures.append(Failure(n, exc.cause.split(": ", 1)[-1], exc.fix))
+            continue
+        rows.append(Row(n, dict(obj), record))
+    if n == 0:
+        raise UserError(f"--data {src.path} has no rows", "give it at least one row")
+    return rows, failures, n, src.digest()
 
 
 def raw_messages(row: Row) -> list[dict]:
