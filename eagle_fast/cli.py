@@ -19,12 +19,15 @@ from pathlib import Path
 from eagle_fast import __version__
 from eagle_fast.chat import ChatFormat
 from eagle_fast.cli_args import (
+    DATA_HELP,
     MODEL_HELP,
     add_chat_args,
     add_data_args,
+    add_data_source,
     add_revision,
     add_vllm_args,
     chat_format,
+    data_ref,
     vllm_settings,
 )
 from eagle_fast.cli_loop import add_loop_parsers, cmd_accept, cmd_regenerate
@@ -81,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the target over a jsonl dataset and write EAGLE-3 supervision.")
     p.add_argument("--model", required=True, help=MODEL_HELP)
     add_revision(p)
-    p.add_argument("--data", required=True, help="jsonl: one of messages | text | input_ids (+loss_mask) per line")
+    add_data_source(p, DATA_HELP + "; each row one of messages | text | input_ids (+loss_mask)")
     p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
                    help="vllm (default when installed and it can capture the model) or hf (transformers)")
@@ -146,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("vocab", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
     p.add_argument("--model", required=True, help=MODEL_HELP + "; its config and tokenizer only")
     add_revision(p)
-    p.add_argument("--data", required=True, help="jsonl, as for extract")
+    add_data_source(p)
     p.add_argument("--size", type=int, default=32000, help="draft vocabulary size (default 32000)")
     p.add_argument("--out", required=True, help="output file (.pt or .safetensors)")
     add_data_args(p)
@@ -226,8 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_extract(a: argparse.Namespace) -> int:
     ref = resolve_model(a.model, a.revision, weights=not a.dry_run)  # a plan needs no weights
+    data = data_ref(a)
     cfg = ExtractConfig(
-        model=ref.path, model_source=ref.describe(), data=a.data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
+        model=ref.path, model_source=ref.describe(), data=data.path, data_source=data.describe(), out=a.out, engine=a.engine, aux_layers=a.aux_layers,
         supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
@@ -252,7 +256,8 @@ def cmd_extract(a: argparse.Namespace) -> int:
 
 
 def cmd_vocab(a: argparse.Namespace) -> int:
-    build_vocab(resolve_model(a.model, a.revision, weights=False).path, a.data, a.size, a.out, max_len=a.max_len, overlong=a.overlong, chat=chat_format(a))
+    build_vocab(resolve_model(a.model, a.revision, weights=False).path, data_ref(a).path, a.size, a.out,
+                max_len=a.max_len, overlong=a.overlong, chat=chat_format(a))
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from eagle_fast.chat import ChatFormat
+from eagle_fast.hub import DataRef, resolve_data
 from eagle_fast.runners.engine_settings import VLLMSettings, parse_engine_args
 
 
@@ -76,3 +77,19 @@ def add_revision(p: argparse.ArgumentParser) -> None:
     p.add_argument("--revision", default=None, metavar="REV",
                    help="--model as a Hub id: the branch, tag or commit (default: the default branch); the "
                         "manifest records the commit it resolved to")
+
+
+DATA_HELP = ("rows: a jsonl file, a .json array, parquet / Arrow files (a file, a directory, a glob), a "
+             "save_to_disk directory, or a Hub dataset id (ORG/NAME)")
+
+
+def add_data_source(p: argparse.ArgumentParser, help_text: str = DATA_HELP) -> None:
+    p.add_argument("--data", required=True, help=help_text)
+    g = p.add_argument_group("--data as a Hub dataset id")
+    g.add_argument("--data-split", default="train", metavar="SPLIT", help="the split to read (default train)")
+    g.add_argument("--data-config", default=None, metavar="NAME", help="the dataset's config (subset)")
+    g.add_argument("--data-revision", default=None, metavar="REV", help="its branch, tag or commit")
+
+
+def data_ref(a: argparse.Namespace) -> DataRef:
+    return resolve_data(a.data, a.data_split, a.data_config, a.data_revision)

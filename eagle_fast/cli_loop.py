@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 
 from eagle_fast.cli_args import (
+    DATA_HELP,
     MODEL_HELP,
     add_chat_args,
+    add_data_source,
     add_revision,
     add_vllm_args,
     chat_format,
+    data_ref,
     vllm_settings,
 )
 from eagle_fast.errors import UserError
@@ -38,7 +41,7 @@ def add_loop_parsers(sub) -> None:
                                    "turns stay verbatim. Resumable: re-run the same command.")
     p.add_argument("--model", required=True, help=MODEL_HELP)
     add_revision(p)
-    p.add_argument("--data", required=True, help="jsonl, any form extract reads (text / input_ids rows pass through)")
+    add_data_source(p, DATA_HELP + " (text / input_ids rows pass through)")
     p.add_argument("--out", required=True, help="output jsonl (its report: OUT.report.json)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="dtype the target runs in (default: the checkpoint's)")
@@ -67,7 +70,7 @@ def add_loop_parsers(sub) -> None:
     p.add_argument("--model", required=True, help=MODEL_HELP)
     add_revision(p)
     p.add_argument("--draft", required=True, help="EAGLE-3 draft directory (HF LlamaForCausalLMEagle3 or speculators)")
-    p.add_argument("--data", required=True, help="jsonl of prompts, any form extract reads")
+    add_data_source(p, DATA_HELP + ": the prompts")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=3, metavar="K", help="draft length (default 3)")
     p.add_argument("--num-prompts", type=int, default=None, metavar="N", help="the first N prompts (default all)")
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
@@ -85,7 +88,8 @@ def _sampling(a: argparse.Namespace) -> Sampling:
 def cmd_regenerate(a: argparse.Namespace) -> int:
     if not a.ray and (a.ray_workers, a.ray_address) != (None, None):
         raise UserError("--ray-workers and --ray-address apply to --ray runs only", "add --ray")
-    cfg = RegenerateConfig(model=resolve_model(a.model, a.revision).path, data=a.data, out=a.out, dtype=a.dtype,
+    cfg = RegenerateConfig(model=resolve_model(a.model, a.revision).path, data=data_ref(a).path, out=a.out,
+                           dtype=a.dtype,
                            sampling=_sampling(a),
                            reasoning=a.reasoning, chunk_rows=a.chunk_rows, chat=chat_format(a),
                            tool_call_parser=a.tool_call_parser, tool_turns=a.tool_turns,
@@ -97,7 +101,7 @@ def cmd_regenerate(a: argparse.Namespace) -> int:
 
 def cmd_accept(a: argparse.Namespace) -> int:
     cfg = AcceptConfig(model=resolve_model(a.model, a.revision).path,
-                       draft=resolve_model(a.draft, flag="--draft").path, data=a.data,
+                       draft=resolve_model(a.draft, flag="--draft").path, data=data_ref(a).path,
                        num_speculative_tokens=a.num_speculative_tokens,
                        num_prompts=a.num_prompts, dtype=a.dtype, sampling=_sampling(a), chat=chat_format(a),
                        vllm=vllm_settings(a), json_path=a.json)

@@ -1,4 +1,5 @@
-"""Models by Hugging Face Hub id: `--model ORG/NAME [--revision R]`, resolved once to a local snapshot.
+"""Models and datasets by Hugging Face Hub id: `--model ORG/NAME [--revision R]` and `--data ORG/NAME
+[--data-split S --data-config C --data-revision R]`, each resolved once to a local snapshot.
 
 `resolve_model` returns a `ModelRef`: the local directory every reader uses (the engine, the
 head loader, the tokenizer all read that one snapshot) and, for a Hub id, the id, the revision
@@ -7,7 +8,9 @@ huggingface_hub with the user's own settings (its cache, HF_HOME, HF_TOKEN, HF_H
 HF_ENDPOINT). Only what the command needs is fetched: the config and tokenizer files
 (`weights=False`: `extract --dry-run`, `vocab`, `inspect`), plus the safetensors for a command
 that runs the model. A checkpoint with no safetensors is refused (its .bin weights are never
-fetched). A local directory is used as it is.
+fetched). A local directory is used as it is. A dataset id resolves to the snapshot's files of
+one split (`resolve_data`: the Hub's parquet layouts, or a split's jsonl), which `sources` reads;
+the manifest records the id, commit, split and config.
 Limits: a Ray cluster's workers read the snapshot at the driver's path (a shared HF_HOME); on
 nodes of their own, `--shard` runs pin the commit with `--revision COMMIT` (the manifest's
 model identity hashes refuse a merge of two revisions anyway).
@@ -86,3 +89,71 @@ def resolve_model(model: str, revision: str | None = None, weights: bool = True,
         raise UserError(f"{where} has no *.safetensors weights (its .bin weights are not fetched)",
                         "use a checkpoint converted to safetensors (save_pretrained(safe_serialization=True))")
     return ModelRef(str(root), model, revision, root.name)
+
+
+@dataclass(frozen=True)
+class DataRef:
+    path: str                    # what `sources.open_source` reads: a file, a directory or a glob
+    hub_id: str | None = None
+    revision: str | None = None
+    commit: str | None = None
+    split: str | None = None
+    config: str | None = None
+
+    def describe(self) -> dict | None:
+        if self.hub_id is None:
+            return None
+        return {"id": self.hub_id, "revision": self.revision, "commit": self.commit, "split": self.split,
+                "config": self.config}
+
+
+DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
+
+
+def resolve_data(data: str, split: str = "train", config: str | None = None, revision: str | None = None) -> DataRef:
+    """`--data` as given when it is a path (or a glob); a Hub dataset id (ORG/NAME) resolved to
+    its snapshot's files of `split` (and `config`): `data/train-*.parquet`, `CONFIG/train-*.parquet`,
+    `CONFIG/train/*.parquet` or `train.jsonl`, as the Hub lays them out."""
+    if Path(data).expanduser().exists() or any(c in data for c in "*?[") or not REPO_ID_RE.fullmatch(data):
+        if (revision, config) != (None, None):
+            raise UserError(f"--data-revision / --data-config apply to a Hub dataset id; {data} is not one",
+                            "drop them, or pass the dataset's Hub id (ORG/NAME)")
+        return DataRef(data)
+    where = f"--data {data}" + (f" --data-revision {revision}" if revision else "")
+    try:
+        root = Path(snapshot_download(data, repo_type="dataset", revision=revision,
+                                      allow_patterns=[f"*{s}" for s in DATA_SUFFIXES]))
+    except RevisionNotFoundError:
+        raise UserError(f"{where}: the Hub has no such revision of it", "pass a branch, tag or commit it has") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"{where}: no such dataset on the Hub (or it is gated or private)",
+                        "check the id; for a gated or private dataset set HF_TOKEN") from None
+    except LocalEntryNotFoundError:
+        raise UserError(f"{where}: not in the Hugging Face cache, and the Hub cannot be reached (offline: "
+                        "HF_HUB_OFFLINE)", f"download it where there is network (`huggingface-cli download "
+                        f"--repo-type dataset {data}`), or pass a local file") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise UserError(f"{where}: the Hub could not be read ({type(exc).__name__}: {exc})",
+                        "check the network and HF_ENDPOINT, or pass a local file") from None
+    files = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES)
+    if config is not None:
+        files = [f for f in files if config in f.relative_to(root).parts[:-1]]
+    else:  # the default config: the Hub keeps its files at the top or under data/
+        default = [f for f in files if len(f.relative_to(root).parts) == 1 or f.relative_to(root).parts[0] == "data"]
+        files = default or files
+    mine = [f for f in files if f.stem == split or f.stem.startswith(f"{split}-") or f.parent.name == split]
+    kinds = {f.suffix for f in mine}
+    if not mine or len(kinds) > 1 or (len(mine) > 1 and kinds & {".jsonl", ".json"}):
+        seen = ", ".join(str(f.relative_to(root)) for f in files[:8]) or "none"
+        raise UserError(f"{where}: no one set of files for split {split!r}"
+                        + (f" of config {config!r}" if config else "") + f" (its files: {seen})",
+                        "pick the split and config with --data-split / --data-config, or pass the files")
+    ref = DataRef(str(mine[0]), data, revision, root.name, split, config)
+    if len(mine) > 1:  # the split's shards, all in one directory under one naming
+        parents = {f.parent for f in mine}
+        if len(parents) != 1:
+            raise UserError(f"{where}: split {split!r} is spread over {len(parents)} directories",
+                            "pick one with --data-config, or pass the files")
+        pattern = f"{split}-*" if all(f.stem.startswith(f"{split}-") for f in mine) else "*"
+        ref = DataRef(str(mine[0].parent / f"{pattern}{mine[0].suffix}"), data, revision, root.name, split, config)
+    return ref

@@ -50,7 +50,7 @@ def _cli(hf_home: Path, *argv: str) -> subprocess.CompletedProcess:
 
 
 def _extract(hub_root, model, data, out, *extra):
-    return _cli(hub_root, "extract", "--model", model, "--data", str(data), "--out", str(out), "--engine", "hf",
+    return _cli(hub_root, "extract", "--model", str(model), "--data", str(data), "--out", str(out), "--engine", "hf",
                 "--dtype", "fp32", "--supervision", "lse", "--max-len", "96", *extra)
 
 
@@ -114,3 +114,46 @@ def test_a_ray_worker_without_the_drivers_snapshot_reads_the_same_commit(hub, tm
     assert r.returncode == 0, r.stderr[-2000:]
     here, elsewhere = json.loads(r.stdout.strip().splitlines()[-1])
     assert here == str(repo / "snapshots" / MAIN) and Path(elsewhere).name == OTHER
+
+
+@pytest.fixture(scope="module")
+def hub_data(hub):
+    """A Hub dataset in the same cache: its default config's train split in two parquet shards, a
+    test split, and a config of its own (`datasets--org--chats`)."""
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    root, _, data = hub
+    rows = [json.loads(x) for x in data.read_text().splitlines()]
+    keys = sorted({k for r in rows for k in r})
+    table = pa.Table.from_pydict({k: [r.get(k) for r in rows] for k in keys})
+    snap = root / "hub" / "datasets--org--chats" / "snapshots" / MAIN
+    (snap / "data").mkdir(parents=True)
+    pq.write_table(table.slice(0, 5), snap / "data" / "train-00000-of-00002.parquet")
+    pq.write_table(table.slice(5), snap / "data" / "train-00001-of-00002.parquet")
+    pq.write_table(table.slice(0, 3), snap / "data" / "test-00000-of-00001.parquet")
+    (snap / "small").mkdir()
+    pq.write_table(table.slice(0, 2), snap / "small" / "train-00000-of-00001.parquet")
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text(MAIN)
+    return root, data
+
+
+def test_a_hub_dataset_id_reads_its_split(hub_data, tiny_llama, tmp_path):
+    root, data = hub_data
+    by_id, by_file = tmp_path / "by_id", tmp_path / "by_file"
+    r = _extract(root, str(tiny_llama), "org/chats", by_id)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _extract(root, str(tiny_llama), data, by_file).returncode == 0
+    assert tree_digest(by_id, skip_manifest=True) == tree_digest(by_file, skip_manifest=True)
+    m = json.loads((by_id / "manifest.json").read_text())
+    assert m["data"]["hub"] == {"id": "org/chats", "revision": None, "commit": MAIN, "split": "train", "config": None}
+    for extra, samples in ((("--data-split", "test"), 3), (("--data-config", "small"), 2)):
+        r = _cli(root, "extract", "--model", str(tiny_llama), "--data", "org/chats", *extra, "--out",
+                 str(tmp_path / "o"), "--engine", "hf", "--max-len", "96", "--dry-run", "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["samples"] == samples, r.stderr[-1500:]
+    r = _cli(root, "extract", "--model", str(tiny_llama), "--data", "org/chats", "--data-split", "validation",
+             "--out", str(tmp_path / "o"), "--engine", "hf", "--dry-run")
+    assert r.returncode == 2 and "no one set of files for split 'validation'" in r.stderr, r.stderr[-1500:]
+    r = _cli(root, "extract", "--model", str(tiny_llama), "--data", "org/none", "--out", str(tmp_path / "o"),
+             "--engine", "hf", "--dry-run")
+    assert r.returncode == 2 and "not in the Hugging Face cache" in r.stderr and not (tmp_path / "o").exists()

@@ -75,6 +75,7 @@ class ExtractConfig:
     engine_check: bool = True  # vLLM: captures against the engine's own log-probs first (engine_setup.py)
     space_check: bool = True  # refuse up front when the pending bytes exceed --out's free space (plan.py)
     model_source: dict | None = None  # a Hub model's id, revision and commit (hub.ModelRef.describe)
+    data_source: dict | None = None  # a Hub dataset's id, revision, commit, split, config (hub.DataRef)
 
 
 @dataclass

@@ -210,6 +210,7 @@ def _initial_manifest(cfg, info, plan, shards, part, engine, aux, kind, spec, la
             "truncated": plan.truncated,
             "skipped": plan.skipped,
             "no_loss": plan.no_loss,
+            **({"hub": cfg.data_source} if cfg.data_source else {}),
         },
         "aux_layer_ids": aux,
         "supervision": {"kind": kind, "k": spec.k, **({"keep_mass": spec.keep_mass} if spec.keep_mass else {}),
