@@ -286,7 +286,7 @@ def _launch(gpus: int, tp: int, workers: int | None = None, pending: int = 8, en
     ray = SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": {"CPU": 16, "GPU": gpus}}],
                           cluster_resources=lambda: {"CPU": 16, "GPU": gpus}, remote=lambda cls: Remote())
     cfg = SimpleNamespace(vllm=VLLMSettings(tensor_parallel_size=tp), model="m", batch_tokens=64, queue_batches=2,
-                          engine_check=True)
+                          engine_check=True, model_source=None)
     sample = SimpleNamespace(length=10, input_ids=list(range(10)))
     p = SimpleNamespace(engine="vllm", cfg=cfg, dtype=torch.float32, plan=SimpleNamespace(samples=[sample]),
                         aux_layer_ids=[0, 1, 2], spec=SimpleNamespace(k=0), root=Path("/o"), draft_ids=None,
