@@ -152,6 +152,11 @@ def test_a_full_disk_is_found_through_chained_and_ray_causes(tiny_llama, inputs,
         err = P.disk_full(exc, p, {0})
         assert err is not None and ".shard-000002.safetensors.tmp" in err.cause and "3 shards" in err.cause
     assert P.disk_full(RuntimeError("something else"), p, set()) is None
+    looped = RayTaskError(None)  # a chain that comes back to itself ends, it does not spin
+    inner = RuntimeError("engine died")
+    inner.__context__ = looped
+    looped.cause = inner
+    assert P.disk_full(looped, p, set()) is None
     assert P.disk_full(OSError(errno.EACCES, "Permission denied"), p, set()) is None
 
 

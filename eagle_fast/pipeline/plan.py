@@ -150,11 +150,13 @@ def check_space(plan: DiskPlan) -> None:
 def disk_full(exc: BaseException, p: Prepared, committed: set[int]) -> UserError | None:
     """The UserError for a write that hit a full disk (anywhere in `exc`'s causes), else None."""
     err: BaseException | None = exc
-    while err is not None and not (isinstance(err, OSError) and err.errno in FULL_ERRNOS):
+    seen: set[int] = set()  # a chain can loop (a Ray error's `cause` whose context is that error)
+    while err is not None and id(err) not in seen and not (isinstance(err, OSError) and err.errno in FULL_ERRNOS):
+        seen.add(id(err))
         # chained causes, and a Ray worker's exception as its RayTaskError carries it (`cause`)
         ray_cause = getattr(err, "cause", None)  # (UserError's `cause` is its text, not an exception)
         err = err.__cause__ or err.__context__ or (ray_cause if isinstance(ray_cause, BaseException) else None)
-    if err is None:
+    if err is None or not (isinstance(err, OSError) and err.errno in FULL_ERRNOS):
         return None
     left = [s for s in p.pending if s.index not in committed]
     sizes = field_sizes(p.layout)
