@@ -66,29 +66,37 @@ def resolve_model(model: str, revision: str | None = None, weights: bool = True,
         raise UserError(f"{flag} {model}: model directory not found, and not a Hub id (ORG/NAME)",
                         "pass a local checkpoint directory, or a Hugging Face Hub id such as Qwen/Qwen3-8B")
     where = f"{flag} {model}" + (f" --revision {revision}" if revision else "")
-    try:
-        path = snapshot_download(model, revision=revision,
-                                 allow_patterns=META_PATTERNS + (WEIGHT_PATTERNS if weights else []))
-    except GatedRepoError:
-        raise UserError(f"{where}: the repository is gated and this machine has no access token for it",
-                        "accept its terms on the Hub, then set HF_TOKEN (or run `huggingface-cli login`)") from None
-    except RevisionNotFoundError:
-        raise UserError(f"{where}: the Hub has no such revision of it", "pass a branch, tag or commit it has") from None
-    except RepositoryNotFoundError:
-        raise UserError(f"{where}: no such model on the Hub (or it is private)",
-                        "check the id; for a private repository set HF_TOKEN") from None
-    except LocalEntryNotFoundError:
-        raise UserError(f"{where}: not in the Hugging Face cache, and the Hub cannot be reached (offline: "
-                        "HF_HUB_OFFLINE)", "download it where there is network (`huggingface-cli download "
-                        f"{model}`) into this HF_HOME, or pass a local checkpoint directory") from None
-    except (HfHubHTTPError, OSError) as exc:
-        raise UserError(f"{where}: the Hub could not be read ({type(exc).__name__}: {exc})",
-                        "check the network and HF_ENDPOINT, or pass a local checkpoint directory") from None
-    root = Path(path)
+    path = _snapshot(model, "model", revision, META_PATTERNS + (WEIGHT_PATTERNS if weights else []), where,
+                     "a local checkpoint directory")
+    root = path
     if weights and not any(root.glob("*.safetensors")):
         raise UserError(f"{where} has no *.safetensors weights (its .bin weights are not fetched)",
                         "use a checkpoint converted to safetensors (save_pretrained(safe_serialization=True))")
     return ModelRef(str(root), model, revision, root.name)
+
+
+def _snapshot(repo_id: str, repo_type: str, revision: str | None, patterns: list[str], where: str,
+              local: str) -> Path:
+    """The local snapshot of a Hub repo (`where`: the flags as the user gave them, for messages;
+    `local`: what to pass instead), every huggingface_hub failure as a UserError with its fix."""
+    try:
+        return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=patterns))
+    except GatedRepoError:
+        raise UserError(f"{where}: the {repo_type} is gated and this machine has no access token for it",
+                        "accept its terms on the Hub, then set HF_TOKEN (or run `huggingface-cli login`)") from None
+    except RevisionNotFoundError:
+        raise UserError(f"{where}: the Hub has no such revision of it", "pass a branch, tag or commit it has") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"{where}: no such {repo_type} on the Hub (or it is private)",
+                        "check the id; for a private repository set HF_TOKEN") from None
+    except LocalEntryNotFoundError:
+        download = "huggingface-cli download" + (" --repo-type dataset" if repo_type == "dataset" else "")
+        raise UserError(f"{where}: not in the Hugging Face cache, and the Hub cannot be reached (offline: "
+                        "HF_HUB_OFFLINE)", f"download it where there is network (`{download} {repo_id}`) into "
+                        f"this HF_HOME, or pass {local}") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise UserError(f"{where}: the Hub could not be read ({type(exc).__name__}: {exc})",
+                        f"check the network and HF_ENDPOINT, or pass {local}") from None
 
 
 @dataclass(frozen=True)
@@ -120,21 +128,7 @@ def resolve_data(data: str, split: str = "train", config: str | None = None, rev
                             "drop them, or pass the dataset's Hub id (ORG/NAME)")
         return DataRef(data)
     where = f"--data {data}" + (f" --data-revision {revision}" if revision else "")
-    try:
-        root = Path(snapshot_download(data, repo_type="dataset", revision=revision,
-                                      allow_patterns=[f"*{s}" for s in DATA_SUFFIXES]))
-    except RevisionNotFoundError:
-        raise UserError(f"{where}: the Hub has no such revision of it", "pass a branch, tag or commit it has") from None
-    except RepositoryNotFoundError:
-        raise UserError(f"{where}: no such dataset on the Hub (or it is gated or private)",
-                        "check the id; for a gated or private dataset set HF_TOKEN") from None
-    except LocalEntryNotFoundError:
-        raise UserError(f"{where}: not in the Hugging Face cache, and the Hub cannot be reached (offline: "
-                        "HF_HUB_OFFLINE)", f"download it where there is network (`huggingface-cli download "
-                        f"--repo-type dataset {data}`), or pass a local file") from None
-    except (HfHubHTTPError, OSError) as exc:
-        raise UserError(f"{where}: the Hub could not be read ({type(exc).__name__}: {exc})",
-                        "check the network and HF_ENDPOINT, or pass a local file") from None
+    root = _snapshot(data, "dataset", revision, [f"*{s}" for s in DATA_SUFFIXES], where, "a local file")
     files = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES)
     if config is not None:
         files = [f for f in files if config in f.relative_to(root).parts[:-1]]
