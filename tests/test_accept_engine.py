@@ -217,7 +217,7 @@ def test_misfit_draft_is_refused_before_any_engine(case, target, data, tmp_path,
     def no_engine(kwargs):
         raise AssertionError("the engine was started")
 
-    monkeypatch.setattr(accept_mod, "start_engine", no_engine)
+    monkeypatch.setattr(accept_mod.generation, "start", no_engine)
     rc = cli.main(["accept", "--model", str(target), "--draft", str(draft), "--data", str(data)])
     err = capsys.readouterr().err
     assert rc == 2, err

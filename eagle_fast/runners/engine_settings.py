@@ -81,11 +81,14 @@ class VLLMSettings:
             names.append("--capture-dir")
         return names
 
-    def check(self, engine: str, why: str = "") -> None:
+    def check(self, engine: str, why: str = "", owned: dict[str, str] | None = None) -> None:
         """Refuse bad values; with `engine` other than vllm, refuse any setting at all.
 
-        `why`: how that engine was chosen, for the message. The names in `engine_args` are
-        checked against the installed vLLM (imported for it) only when there are any.
+        `why`: how that engine was chosen, for the message. `owned`: the `vllm.LLM` arguments
+        the caller sets itself, each with the reason (default: the capture path's,
+        `_vllm_compat.OWNED_REASONS`); `--engine-args` may not set them. The names in
+        `engine_args` are checked against the installed vLLM (imported for it) only when there
+        are any.
         """
         given = self.given()
         if engine != "vllm":
@@ -107,20 +110,22 @@ class VLLMSettings:
             raise UserError(f"--max-model-len must be at least 2, got {self.max_model_len}",
                             "leave it unset (the longest sample + 1) or pass more")
         check_cpu_thread_binding(tp, os.environ)
-        self._check_engine_args()
+        self._check_engine_args(owned)
 
-    def _check_engine_args(self) -> None:
+    def _check_engine_args(self, owned: dict[str, str] | None) -> None:
         extra = self.engine_args
         if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
             raise UserError(f"engine_args must be a dict of vllm.LLM argument names to values, got {extra!r}",
                             "pass e.g. {'max_num_seqs': 64}")
+        capture = owned is None
+        if capture:
+            owned = {k: f"VLLMTargetRunner sets it itself ({v})" for k, v in compat.OWNED_REASONS.items()}
         for key, value in extra.items():
-            if key in compat.OWNED_REASONS:
+            if key in owned:
                 flag = FLAGS.get(key)
                 fix = f"use {flag} instead" if flag else "remove it from --engine-args"
-                raise UserError(f"--engine-args {key!r}: VLLMTargetRunner sets it itself "
-                                f"({compat.OWNED_REASONS[key]})", fix)
-            if key == "shared_storage_path":
+                raise UserError(f"--engine-args {key!r}: {owned[key]}", fix)
+            if capture and key == "shared_storage_path":
                 raise UserError("--engine-args 'shared_storage_path': the runner writes captures to a private "
                                 "dir of its own", "use --capture-dir DIR to choose where that dir lives")
             if key in FLAGS and getattr(self, key) is not None:
