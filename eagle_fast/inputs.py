@@ -18,7 +18,6 @@ the sample index).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -28,7 +27,7 @@ from typing import Any
 
 from eagle_fast.chat import REASONING_FIELDS, ChatFormat, ChatMaskError, encode_chat
 from eagle_fast.errors import UserError, bad_line
-from eagle_fast.sources import open_source, table_rows
+from eagle_fast.sources import jsonl_lines, open_source, table_rows
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -254,20 +253,15 @@ def read_records(path: str | os.PathLike) -> tuple[list[Record], str]:
         if not records:
             raise UserError(f"--data {src.path} has no rows", "give it at least one row")
         return records, src.digest()
-    p = Path(path)
-    data = p.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise bad_line(str(p), line, "not valid UTF-8", "save the file as UTF-8") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the final newline ends the last line; it does not start a new one
-    if not lines:
-        raise UserError(f"data file {p} is empty", "give it one JSON object per line")
-    return [parse_line(str(p), i, raw) for i, raw in enumerate(lines, 1)], digest
+    lines, digest = jsonl_lines(src)
+    records = []
+    for i, raw in enumerate(lines, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad_line(src.path, i, "not valid UTF-8", "save the file as UTF-8") from None
+        records.append(parse_line(src.path, i, text))
+    return records, digest
 
 
 def load_tokenizer(model: str):

@@ -42,6 +42,18 @@ class Source:
         return h.hexdigest()
 
 
+def jsonl_lines(src: Source) -> tuple[list[bytes], str]:
+    """A jsonl source's lines (bytes; the final newline ends the last line, it starts none) and
+    the file's sha256, read once; UserError for an empty file."""
+    data = src.files[0].read_bytes()
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if not lines:
+        raise UserError(f"data file {src.files[0]} is empty", "give it one JSON object per line")
+    return lines, hashlib.sha256(data).hexdigest()
+
+
 def open_source(path: str | Path) -> Source:
     """The form of `path` and the files it reads (UserError when it is none of the forms)."""
     text = str(path)

@@ -12,17 +12,15 @@ tokenises a conversation (`chat.encode_chat`), so the engine sees the ids extrac
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from eagle_fast.chat import ChatFormat, for_template, render
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import Record, parse_line, parse_row
-from eagle_fast.sources import open_source, table_rows
+from eagle_fast.sources import jsonl_lines, open_source, table_rows
 
 
 @dataclass
@@ -53,13 +51,8 @@ def read_rows(path: str | os.PathLike) -> tuple[list[Row], list[Failure], int, s
     src = open_source(path)
     if src.kind != "jsonl":
         return _table_rows(src)
-    p = Path(path)
-    data = p.read_bytes()
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the final newline ends the last line
-    if not lines:
-        raise UserError(f"data file {p} is empty", "give it one JSON object per line")
+    p = src.path
+    lines, digest = jsonl_lines(src)
     rows: list[Row] = []
     failures: list[Failure] = []
     for n, raw in enumerate(lines, 1):
@@ -69,13 +62,13 @@ def read_rows(path: str | os.PathLike) -> tuple[list[Row], list[Failure], int, s
             failures.append(Failure(n, "not valid UTF-8", "save the file as UTF-8"))
             continue
         try:
-            record = parse_line(str(p), n, text)
+            record = parse_line(p, n, text)
         except UserError as exc:
             failures.append(Failure(n, exc.cause.split(": ", 1)[-1] if exc.cause.startswith(f"{p}:{n}:")
                                     else exc.cause, exc.fix))
             continue
         rows.append(Row(n, json.loads(text), record))
-    return rows, failures, len(lines), hashlib.sha256(data).hexdigest()
+    return rows, failures, len(lines), digest
 
 
 def _table_rows(src) -> tuple[list[Row], list[Failure], int, str]:
