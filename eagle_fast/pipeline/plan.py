@@ -109,14 +109,20 @@ def _extra_bytes(p: Prepared) -> int:
     return extra
 
 
+def shard_bytes(p: Prepared, shards: list) -> int:
+    """The bytes `shards` write: the layout's declared fields (`store.sizes`) and each file's
+    header allowance (native, nemo: a file per shard; the others: a file per sample)."""
+    sizes = field_sizes(p.layout)
+    tokens, samples = sum(s.tokens for s in shards), sum(len(s.samples) for s in shards)
+    data = tensor_bytes(sizes, tokens, samples, shards=len(shards), positions=samples * p.spec.max_len)
+    files = len(shards) if p.cfg.layout in ("native", "nemo") else samples
+    return int(data + (HEADER_BASE + HEADER_PER_TENSOR * len(sizes)) * files)
+
+
 def disk_plan(p: Prepared) -> DiskPlan:
     sizes = field_sizes(p.layout)
     tokens = sum(s.tokens for s in p.pending)
-    samples = sum(len(s.samples) for s in p.pending)
-    positions = samples * p.spec.max_len
-    pending = tensor_bytes(sizes, tokens, samples, shards=len(p.pending), positions=positions)
-    files = len(p.pending) if p.cfg.layout in ("native", "nemo") else samples  # else one file per sample
-    pending += (HEADER_BASE + HEADER_PER_TENSOR * len(sizes)) * files + _extra_bytes(p)
+    pending = shard_bytes(p, p.pending) + _extra_bytes(p)
     capture_ids, _, _ = capture_plan(p.aux_layer_ids, p.info.num_hidden_layers)
     step = max(min(p.cfg.batch_tokens, tokens), max((s.length for s in p.pending[0].samples), default=0)
                if p.pending else 0)  # a call holds --batch-tokens, or one longer sample whole
@@ -159,9 +165,7 @@ def disk_full(exc: BaseException, p: Prepared, committed: set[int]) -> UserError
     if err is None or not (isinstance(err, OSError) and err.errno in FULL_ERRNOS):
         return None
     left = [s for s in p.pending if s.index not in committed]
-    sizes = field_sizes(p.layout)
-    tokens, samples = sum(s.tokens for s in left), sum(len(s.samples) for s in left)
-    need = tensor_bytes(sizes, tokens, samples, shards=len(left), positions=samples * p.spec.max_len)
+    need = shard_bytes(p, left)
     where = err.filename or p.root
     return UserError(f"the disk filled while writing {where} ({err.strerror}): {len(left)} shards, about "
                      f"{fmt_bytes(need)}, are still to be written; the {len(committed)} shards committed so far "
