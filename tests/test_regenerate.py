@@ -167,14 +167,25 @@ def _data(tmp_path):
     return path
 
 
-def test_report_counts_and_resume_after_interrupt_and_torn_line(tmp_path, qwen_tok, fake_engine_run):
+@pytest.fixture
+def model_and_data(tmp_path, qwen_tok):
+    """The test tokenizer saved as a model directory, and `_data`'s rows."""
     tok_dir = tmp_path / "model"
     qwen_tok.save_pretrained(tok_dir)
-    data = _data(tmp_path)
+    return tok_dir, _data(tmp_path)
+
+
+def _whole_run(tmp_path, tok_dir, data, fake_engine_run):
+    """An uninterrupted run into tmp_path/whole: (its directory, its summary)."""
     whole = tmp_path / "whole"
     whole.mkdir()
     fake_engine_run()
-    s = R.regenerate(_config(whole, tok_dir, data))
+    return whole, R.regenerate(_config(whole, tok_dir, data))
+
+
+def test_report_counts_and_resume_after_interrupt_and_torn_line(tmp_path, model_and_data, fake_engine_run):
+    tok_dir, data = model_and_data
+    whole, s = _whole_run(tmp_path, tok_dir, data, fake_engine_run)
     assert (s.read, s.regenerated, s.passed_through, len(s.failures)) == (9, 7, 1, 1)
     report = json.loads(R.report_path(whole / "out.jsonl").read_text())
     assert report["read"] == report["regenerated"] + report["passed_through"] + report["failed"] == 9
@@ -207,10 +218,8 @@ def test_report_counts_and_resume_after_interrupt_and_torn_line(tmp_path, qwen_t
         R.regenerate(_config(part, tok_dir, data, chunk_rows=3))
 
 
-def test_resume_with_other_settings_is_refused(tmp_path, qwen_tok, fake_engine_run):
-    tok_dir = tmp_path / "model"
-    qwen_tok.save_pretrained(tok_dir)
-    data = _data(tmp_path)
+def test_resume_with_other_settings_is_refused(tmp_path, model_and_data, fake_engine_run):
+    tok_dir, data = model_and_data
     fake_engine_run(fail_on_call=3)
     with pytest.raises(KeyboardInterrupt):
         R.regenerate(_config(tmp_path, tok_dir, data))
@@ -224,10 +233,8 @@ def test_resume_with_other_settings_is_refused(tmp_path, qwen_tok, fake_engine_r
         R.regenerate(_config(tmp_path, tok_dir, data))
 
 
-def test_bad_settings_refused_before_any_engine(tmp_path, qwen_tok):
-    tok_dir = tmp_path / "model"
-    qwen_tok.save_pretrained(tok_dir)
-    data = _data(tmp_path)
+def test_bad_settings_refused_before_any_engine(tmp_path, model_and_data):
+    tok_dir, data = model_and_data
     for kw, match in (({"sampling": Sampling(temperature=-1)}, "--temperature"),
                       ({"sampling": Sampling(top_p=0)}, "--top-p"),
                       ({"sampling": Sampling(max_tokens=0)}, "--max-tokens"),
@@ -251,16 +258,11 @@ def test_source_line_is_read_and_checked():
             parse_line("f", 3, json.dumps({"text": "a", "source_line": bad}))
 
 
-def test_a_full_disk_stops_clearly_and_resumes(tmp_path, qwen_tok, fake_engine_run, monkeypatch):
+def test_a_full_disk_stops_clearly_and_resumes(tmp_path, model_and_data, fake_engine_run, monkeypatch):
     import errno
 
-    tok_dir = tmp_path / "model"
-    qwen_tok.save_pretrained(tok_dir)
-    data = _data(tmp_path)
-    whole = tmp_path / "whole"
-    whole.mkdir()
-    fake_engine_run()
-    R.regenerate(_config(whole, tok_dir, data))
+    tok_dir, data = model_and_data
+    whole, _ = _whole_run(tmp_path, tok_dir, data, fake_engine_run)
     real = R.atomic_write_json
     calls = []
 
