@@ -27,7 +27,7 @@ from eagle_fast.cli_args import (
     add_revision,
     add_vllm_args,
     chat_format,
-    data_ref,
+    data_spec,
     vllm_settings,
 )
 from eagle_fast.cli_loop import add_loop_parsers, cmd_accept, cmd_regenerate
@@ -229,9 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_extract(a: argparse.Namespace) -> int:
     ref = resolve_model(a.model, a.revision, weights=not a.dry_run)  # a plan needs no weights
-    data = data_ref(a)
+    data = data_spec(a)
     cfg = ExtractConfig(
-        model=ref.path, model_source=ref.describe(), data=data.path, data_source=data.describe(), out=a.out, engine=a.engine, aux_layers=a.aux_layers,
+        model=ref.path, model_source=ref.describe(), data=data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
         supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
@@ -256,7 +256,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
 
 
 def cmd_vocab(a: argparse.Namespace) -> int:
-    build_vocab(resolve_model(a.model, a.revision, weights=False).path, data_ref(a).path, a.size, a.out,
+    build_vocab(resolve_model(a.model, a.revision, weights=False).path, data_spec(a), a.size, a.out,
                 max_len=a.max_len, overlong=a.overlong, chat=chat_format(a))
     return 0
 

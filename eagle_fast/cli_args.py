@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from eagle_fast.chat import ChatFormat
-from eagle_fast.hub import DataRef, resolve_data
+from eagle_fast.mixing import DataSpec, resolve_spec
 from eagle_fast.runners.engine_settings import VLLMSettings, parse_engine_args
 
 
@@ -80,16 +80,24 @@ def add_revision(p: argparse.ArgumentParser) -> None:
 
 
 DATA_HELP = ("rows: a jsonl file, a .json array, parquet / Arrow files (a file, a directory, a glob), a "
-             "save_to_disk directory, or a Hub dataset id (ORG/NAME)")
+             "save_to_disk directory, or a Hub dataset id (ORG/NAME); repeat it to mix sources, each "
+             "SRC[:WEIGHT[:CAP]]")
 
 
 def add_data_source(p: argparse.ArgumentParser, help_text: str = DATA_HELP) -> None:
-    p.add_argument("--data", required=True, help=help_text)
-    g = p.add_argument_group("--data as a Hub dataset id")
-    g.add_argument("--data-split", default="train", metavar="SPLIT", help="the split to read (default train)")
-    g.add_argument("--data-config", default=None, metavar="NAME", help="the dataset's config (subset)")
-    g.add_argument("--data-revision", default=None, metavar="REV", help="its branch, tag or commit")
+    p.add_argument("--data", required=True, action="append", metavar="SRC[:WEIGHT[:CAP]]", help=help_text)
+    g = p.add_argument_group("--data: columns, mixing and Hub datasets")
+    g.add_argument("--data-columns", default=None, metavar="NAME=COL,...",
+                   help="read another column under a name eagle-fast knows, e.g. messages=conversation")
+    g.add_argument("--max-samples", type=int, default=None, metavar="N",
+                   help="rows to draw in all, split by the weights (default: every row; with weights, the most "
+                        "that keep them)")
+    g.add_argument("--data-seed", type=int, default=0, metavar="S", help="seed of the draw (default 0)")
+    g.add_argument("--data-split", default="train", metavar="SPLIT", help="a Hub dataset's split (default train)")
+    g.add_argument("--data-config", default=None, metavar="NAME", help="a Hub dataset's config (subset)")
+    g.add_argument("--data-revision", default=None, metavar="REV", help="a Hub dataset's branch, tag or commit")
 
 
-def data_ref(a: argparse.Namespace) -> DataRef:
-    return resolve_data(a.data, a.data_split, a.data_config, a.data_revision)
+def data_spec(a: argparse.Namespace) -> DataSpec:
+    return resolve_spec(a.data, a.data_split, a.data_config, a.data_revision, a.data_columns, a.max_samples,
+                        a.data_seed)

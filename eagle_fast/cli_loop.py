@@ -13,7 +13,7 @@ from eagle_fast.cli_args import (
     add_revision,
     add_vllm_args,
     chat_format,
-    data_ref,
+    data_spec,
     vllm_settings,
 )
 from eagle_fast.errors import UserError
@@ -88,7 +88,7 @@ def _sampling(a: argparse.Namespace) -> Sampling:
 def cmd_regenerate(a: argparse.Namespace) -> int:
     if not a.ray and (a.ray_workers, a.ray_address) != (None, None):
         raise UserError("--ray-workers and --ray-address apply to --ray runs only", "add --ray")
-    cfg = RegenerateConfig(model=resolve_model(a.model, a.revision).path, data=data_ref(a).path, out=a.out,
+    cfg = RegenerateConfig(model=resolve_model(a.model, a.revision).path, data=data_spec(a), out=a.out,
                            dtype=a.dtype,
                            sampling=_sampling(a),
                            reasoning=a.reasoning, chunk_rows=a.chunk_rows, chat=chat_format(a),
@@ -101,7 +101,7 @@ def cmd_regenerate(a: argparse.Namespace) -> int:
 
 def cmd_accept(a: argparse.Namespace) -> int:
     cfg = AcceptConfig(model=resolve_model(a.model, a.revision).path,
-                       draft=resolve_model(a.draft, flag="--draft").path, data=data_ref(a).path,
+                       draft=resolve_model(a.draft, flag="--draft").path, data=data_spec(a),
                        num_speculative_tokens=a.num_speculative_tokens,
                        num_prompts=a.num_prompts, dtype=a.dtype, sampling=_sampling(a), chat=chat_format(a),
                        vllm=vllm_settings(a), json_path=a.json)

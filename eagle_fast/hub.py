@@ -118,11 +118,16 @@ class DataRef:
 DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
 
 
+def is_hub_id(data: str) -> bool:
+    """Whether `--data` names a Hub dataset (ORG/NAME that is no path and no glob)."""
+    return not (Path(data).expanduser().exists() or any(c in data for c in "*?[")) and bool(REPO_ID_RE.fullmatch(data))
+
+
 def resolve_data(data: str, split: str = "train", config: str | None = None, revision: str | None = None) -> DataRef:
     """`--data` as given when it is a path (or a glob); a Hub dataset id (ORG/NAME) resolved to
     its snapshot's files of `split` (and `config`): `data/train-*.parquet`, `CONFIG/train-*.parquet`,
     `CONFIG/train/*.parquet` or `train.jsonl`, as the Hub lays them out."""
-    if Path(data).expanduser().exists() or any(c in data for c in "*?[") or not REPO_ID_RE.fullmatch(data):
+    if not is_hub_id(data):
         if (revision, config) != (None, None):
             raise UserError(f"--data-revision / --data-config apply to a Hub dataset id; {data} is not one",
                             "drop them, or pass the dataset's Hub id (ORG/NAME)")

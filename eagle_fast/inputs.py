@@ -27,7 +27,7 @@ from typing import Any
 
 from eagle_fast.chat import REASONING_FIELDS, ChatFormat, ChatMaskError, encode_chat
 from eagle_fast.errors import UserError, bad_line
-from eagle_fast.sources import jsonl_lines, open_source, table_rows
+from eagle_fast.mixing import DataSpec, Draw, Item, draw, renamed
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -46,6 +46,8 @@ class Record:
     loss_mask: list[int] | None = None
     source_line: int | None = None  # the line of the original data (a `regenerate` output's rows say)
     tools: list[dict] | None = None  # a chat row's function schemas, passed to the chat template
+    source: int = 0  # which --data it came from (`mixing`); `line` is its row there
+    where: tuple[str, int] | None = None  # the file and row an error names (a table's own file), if not line
 
 
 _FIX_FORMAT = ('make each line one JSON object with "messages" (chat), "text", or "input_ids" '
@@ -181,7 +183,7 @@ def _tools(path: str, line: int, tools: Any) -> list[dict] | None:
     return tools or None
 
 
-def parse_line(path: str, line: int, raw: str) -> Record:
+def parse_line(path: str, line: int, raw: str, columns: tuple[tuple[str, str], ...] = ()) -> Record:
     """Validate one jsonl line; raise UserError with file:line and the reason."""
     if not raw.strip():
         raise bad_line(path, line, "empty line", "remove blank lines from the file")
@@ -191,11 +193,13 @@ def parse_line(path: str, line: int, raw: str) -> Record:
         raise bad_line(path, line, f"invalid JSON ({exc.msg} at column {exc.colno})", _FIX_FORMAT) from None
     if not isinstance(obj, dict):
         raise bad_line(path, line, f"expected a JSON object, got {type(obj).__name__}", _FIX_FORMAT)
+    obj = renamed(obj, columns)
     return _with_source(path, line, obj, _parse_object(path, line, obj))
 
 
-def parse_row(path: str, line: int, obj: Any) -> Record:
+def parse_row(path: str, line: int, obj: Any, columns: tuple[tuple[str, str], ...] = ()) -> Record:
     """One row of a table or JSON array (`line`: its number from 1), as `parse_line` reads a line."""
+    obj = renamed(obj, columns)
     if not isinstance(obj, dict):
         raise bad_line(path, line, f"expected an object, got {type(obj).__name__}", _FIX_FORMAT)
     return _with_source(path, line, obj, _parse_object(path, line, obj))
@@ -244,24 +248,39 @@ def _parse_object(path: str, line: int, obj: dict) -> Record:
     raise bad_line(path, line, f"no usable field (found keys: {keys})", _FIX_FORMAT)
 
 
-def read_records(path: str | os.PathLike) -> tuple[list[Record], str]:
-    """All records of `--data` plus its sha256 (`sources`: jsonl, a JSON array, parquet / Arrow, a
-    save_to_disk directory); the first bad line (or row) raises."""
-    src = open_source(path)
-    if src.kind != "jsonl":
-        records = [parse_row(src.path, n, obj) for n, obj in table_rows(src)]
-        if not records:
-            raise UserError(f"--data {src.path} has no rows", "give it at least one row")
-        return records, src.digest()
-    lines, digest = jsonl_lines(src)
-    records = []
-    for i, raw in enumerate(lines, 1):
+def read_records(data: str | os.PathLike | DataSpec) -> tuple[list[Record], str]:
+    """All records of `--data` plus its sha256 (`read_data`)."""
+    records, drawn = read_data(data)
+    return records, drawn.digest
+
+
+def read_data(data: str | os.PathLike | DataSpec) -> tuple[list[Record], Draw]:
+    """The records `--data` gives (`mixing.draw`: one source, every row; several, the draw), and
+    the draw's digest and counts. Every form `sources` reads; the first bad row raises, naming
+    its file and row."""
+    spec = DataSpec.of(data)
+    drawn = draw(spec)
+    return [record_of(item, spec.columns) for item in drawn.items], drawn
+
+
+def record_of(item: Item, columns: tuple[tuple[str, str], ...] = ()) -> Record:
+    """One drawn row as a record (a jsonl line's bytes checked and parsed; a table's row parsed)."""
+    path, line = item.where
+    if isinstance(item.payload, bytes):
         try:
-            text = raw.decode("utf-8")
+            text = item.payload.decode("utf-8")
         except UnicodeDecodeError:
-            raise bad_line(src.path, i, "not valid UTF-8", "save the file as UTF-8") from None
-        records.append(parse_line(src.path, i, text))
-    return records, digest
+            raise bad_line(path, line, "not valid UTF-8", "save the file as UTF-8") from None
+        rec = parse_line(path, line, text, columns)
+    else:
+        rec = parse_row(path, line, item.payload, columns)
+    rec.line, rec.source, rec.where = item.row, item.source, item.where
+    return rec
+
+
+def at(rec: Record, path: str) -> tuple[str, int]:
+    """(file, row) an error about `rec` names: where it was read, else `path` and its line."""
+    return rec.where or (path, rec.line)
 
 
 def load_tokenizer(model: str):
@@ -315,27 +334,27 @@ def tokenize_record(rec: Record, tok, path: str, chat: ChatFormat | None = None)
         ids = list(rec.value)
         return ids, list(rec.loss_mask) if rec.loss_mask is not None else [1] * len(ids)
     if isinstance(tok, LazyTokenizer):
-        tok = tok.get(f"{path}:{rec.line}")
+        tok = tok.get("{}:{}".format(*at(rec, path)))
     if rec.kind == "text":
         ids = list(tok(rec.value)["input_ids"])
         return ids, [1] * len(ids)
     chat = chat or ChatFormat()
     if not chat.template_for(tok):
         raise UserError(
-            f"{path}:{rec.line}: chat messages need a chat template, and this tokenizer has none",
+            "{}:{}: ".format(*at(rec, path)) + "chat messages need a chat template, and this tokenizer has none",
             "add a chat_template to the model's tokenizer_config.json, pass --chat-template FILE, "
             "or give text/input_ids lines",
         )
     try:
         return encode_chat(tok, rec.value, chat, rec.tools)
     except ChatMaskError as exc:
-        raise bad_line(path, rec.line, f"cannot mask this chat: {exc}",
+        raise bad_line(*at(rec, path), f"cannot mask this chat: {exc}",
                        "fix or drop the line, or pass a --chat-template that renders each assistant turn "
                        "once, in order") from None
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template error is a problem with this line's data
-        raise bad_line(path, rec.line, f"the chat template failed ({type(exc).__name__}: "
+        raise bad_line(*at(rec, path), f"the chat template failed ({type(exc).__name__}: "
                    f"{str(exc).splitlines()[0][:160]})", "check the message roles and order") from None
 
 
@@ -348,6 +367,7 @@ class SamplePlan:
     input_ids: list[int]
     loss_mask: list[int]
     source_line: int | None = None  # the original data's line, when the row names one (else `line`)
+    source: int = 0  # which --data (`mixing`); `line` is its row there
 
     @property
     def length(self) -> int:
@@ -374,13 +394,14 @@ class InputPlan:
     no_loss: int = 0
     chats: int = 0  # lines rendered through the chat template (their masks follow `chat.MASK_RULE`)
     tokens_read: int = 0  # every line's tokens before --max-len (skipped lines included)
+    sources: list[dict] | None = None  # per --data: rows, available, wanted, drawn, skipped, taken (`mixing`)
 
     @property
     def tokens(self) -> int:
         return sum(s.length for s in self.samples)
 
 
-def plan_inputs(path: str | os.PathLike, tok, vocab_size: int, *, max_len: int, overlong: str,
+def plan_inputs(path: str | os.PathLike | DataSpec, tok, vocab_size: int, *, max_len: int, overlong: str,
                 chat: ChatFormat | None = None) -> InputPlan:
     """Read, validate and tokenise the whole file; apply the over-long policy. `chat`: how chat
     lines render and mask (default: the tokenizer's template, no extra kwargs)."""
@@ -388,27 +409,30 @@ def plan_inputs(path: str | os.PathLike, tok, vocab_size: int, *, max_len: int, 
         raise UserError(f"--max-len must be at least 2, got {max_len}", "pass e.g. --max-len 2048")
     if overlong not in ("truncate", "skip"):
         raise UserError(f"--overlong must be truncate or skip, got {overlong!r}", "pick one of the two")
-    records, digest = read_records(path)
-    plan = InputPlan([], len(records), digest)
+    records, drawn = read_data(path)
+    plan = InputPlan([], drawn.rows_read, drawn.digest, sources=[{**c, "skipped": 0, "taken": 0} for c in drawn.counts])
+    path = DataSpec.of(path)
     for rec in records:
         ids, mask = tokenize_record(rec, tok, str(path), chat)
         plan.chats += rec.kind == "messages"
         if not ids:
-            raise bad_line(str(path), rec.line, "tokenises to zero tokens", "drop the line or give it content")
+            raise bad_line(*at(rec, str(path)), "tokenises to zero tokens", "drop the line or give it content")
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise bad_line(str(path), rec.line, f"token id {bad[0]} is outside the model's vocabulary "
+            raise bad_line(*at(rec, str(path)), f"token id {bad[0]} is outside the model's vocabulary "
                        f"[0, {vocab_size})", "tokenise with this model's tokenizer")
         plan.tokens_read += len(ids)
         if len(ids) > max_len:
             if overlong == "skip":
                 plan.skipped += 1
+                plan.sources[rec.source]["skipped"] += 1
                 continue
             ids, mask = ids[:max_len], mask[:max_len]
             plan.truncated += 1
         if not any(mask):
             plan.no_loss += 1
-        plan.samples.append(SamplePlan(len(plan.samples), rec.line, ids, mask, rec.source_line))
+        plan.samples.append(SamplePlan(len(plan.samples), rec.line, ids, mask, rec.source_line, rec.source))
+        plan.sources[rec.source]["taken"] += 1
     if not plan.samples:
         raise UserError(
             f"no sample of {path} fits --max-len {max_len} (all {plan.skipped} skipped)",

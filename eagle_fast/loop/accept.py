@@ -36,6 +36,7 @@ from eagle_fast.loop.engine import (
     spec_counters,
 )
 from eagle_fast.loop.rows import Failure, Row, read_rows, record_prompt
+from eagle_fast.mixing import DataSpec
 from eagle_fast.runners import generation
 from eagle_fast.runners.engine_settings import VLLMSettings
 
@@ -44,7 +45,7 @@ from eagle_fast.runners.engine_settings import VLLMSettings
 class AcceptConfig:
     model: str
     draft: str
-    data: str
+    data: str | DataSpec  # one file, or the sources and their draw (`mixing`)
     num_speculative_tokens: int = 3
     num_prompts: int | None = None    # the first N prompts (None: all)
     dtype: str = "auto"
@@ -69,7 +70,7 @@ class AcceptConfig:
             out = Path(self.json_path)
             if not out.parent.is_dir():
                 raise UserError(f"--json {out}: directory {out.parent} does not exist", "create it, or pass another path")
-            if out.resolve() == Path(self.data).resolve():
+            if out.resolve() in {p.resolve() for p in DataSpec.of(self.data).paths()}:
                 raise UserError(f"--json {out} is the input file", "write the result to another file")
         self.sampling.check()
         check_settings(self.vllm)

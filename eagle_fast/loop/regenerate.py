@@ -39,6 +39,7 @@ from eagle_fast.loop.engine import Sampling, check_settings, generation_kwargs
 from eagle_fast.loop.regen_ray import ray_chunks
 from eagle_fast.loop.rows import Failure, Row, read_rows
 from eagle_fast.loop.turns import TurnOutput, chunk_outputs, tool_parser_names
+from eagle_fast.mixing import DataSpec
 from eagle_fast.pipeline.config import fmt_secs
 from eagle_fast.runners import generation
 from eagle_fast.runners.engine_settings import VLLMSettings
@@ -50,7 +51,7 @@ STATE_VERSION = 1
 @dataclass
 class RegenerateConfig:
     model: str
-    data: str
+    data: str | DataSpec  # one file, or the sources and their draw (`mixing`)
     out: str
     dtype: str = "auto"
     sampling: Sampling = field(default_factory=lambda: Sampling(max_tokens=2048))
@@ -75,7 +76,7 @@ class RegenerateConfig:
         if not Path(self.model).is_dir():
             raise UserError(f"--model {self.model} is not a checkpoint directory",
                             "pass the directory holding config.json and the weights")
-        if Path(self.out).resolve() == Path(self.data).resolve():
+        if Path(self.out).resolve() in {p.resolve() for p in DataSpec.of(self.data).paths()}:
             raise UserError(f"--out {self.out} is the input file", "write the output to another file")
         self.sampling.check()
         check_settings(self.vllm)

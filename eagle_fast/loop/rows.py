@@ -19,72 +19,65 @@ from typing import Any
 
 from eagle_fast.chat import ChatFormat, for_template, render
 from eagle_fast.errors import UserError
-from eagle_fast.inputs import Record, parse_line, parse_row
-from eagle_fast.sources import jsonl_lines, open_source, table_rows
+from eagle_fast.inputs import Record, record_of
+from eagle_fast.mixing import DataSpec, draw, renamed
 
 
 @dataclass
 class Row:
-    """One parsed input line: its 1-based number, the JSON object as read, and the record."""
+    """One parsed input row: its place in the data from 1 (a plain file's line), the JSON object
+    as read (mapped columns under their known names), and the record. A mix's row also names
+    its source (`source`: the --data as given) and its row there."""
 
     line: int
     obj: dict[str, Any]
     record: Record
+    source: str | None = None
+    source_row: int | None = None
+
+    @property
+    def origin(self) -> int:
+        """The original data's line: the row's own `source_line`, else its row in its source."""
+        return self.obj.get("source_line", self.source_row or self.line)
 
 
 @dataclass
 class Failure:
-    """A row that produced no output: where, why and what to do."""
+    """A row that produced no output: where, why and what to do (`where`: a mix's source:row, or
+    the file and row of a table in several files)."""
 
     line: int
     cause: str
     fix: str | None = None
+    where: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"line": self.line, "cause": self.cause, "fix": self.fix}
+        return {"line": self.line, "cause": self.cause, "fix": self.fix, **({"where": self.where} if self.where else {})}
 
 
-def read_rows(path: str | os.PathLike) -> tuple[list[Row], list[Failure], int, str]:
-    """(rows, failures, lines read, the file's sha256). A bad line is a Failure, never fatal;
-    a missing or empty file is (UserError). Every form `extract` reads (`sources`): a table's rows
-    are numbered from 1 as a jsonl file's lines are."""
-    src = open_source(path)
-    if src.kind != "jsonl":
-        return _table_rows(src)
-    p = src.path
-    lines, digest = jsonl_lines(src)
+def read_rows(data: str | os.PathLike | DataSpec) -> tuple[list[Row], list[Failure], int, str]:
+    """(rows, failures, rows read, the data's sha256). A bad row is a Failure, never fatal; a
+    missing or empty file is (UserError). Every form `extract` reads, and mixes (`mixing`):
+    rows are numbered from 1 in the data's order, as a jsonl file's lines are."""
+    spec = DataSpec.of(data)
+    drawn = draw(spec)
+    mixed = len(spec.sources) > 1
     rows: list[Row] = []
     failures: list[Failure] = []
-    for n, raw in enumerate(lines, 1):
+    for n, item in enumerate(drawn.items, 1):
+        path, row = item.where
+        where = f"{path}:{row}" if mixed or (path, row) != (spec.sources[0].path, n) else None
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            failures.append(Failure(n, "not valid UTF-8", "save the file as UTF-8"))
-            continue
-        try:
-            record = parse_line(p, n, text)
+            record = record_of(item, spec.columns)
         except UserError as exc:
-            failures.append(Failure(n, exc.cause.split(": ", 1)[-1] if exc.cause.startswith(f"{p}:{n}:")
-                                    else exc.cause, exc.fix))
+            prefix = f"{path}:{row}: "
+            failures.append(Failure(n, exc.cause.removeprefix(prefix),
+                                    exc.fix, where))
             continue
-        rows.append(Row(n, json.loads(text), record))
-    return rows, failures, len(lines), digest
-
-
-def _table_rows(src) -> tuple[list[Row], list[Failure], int, str]:
-    rows: list[Row] = []
-    failures: list[Failure] = []
-    n = 0
-    for n, obj in table_rows(src):
-        try:
-            record = parse_row(src.path, n, obj)
-        except UserError as exc:
-            failures.append(Failure(n, exc.cause.split(": ", 1)[-1], exc.fix))
-            continue
-        rows.append(Row(n, dict(obj), record))
-    if n == 0:
-        raise UserError(f"--data {src.path} has no rows", "give it at least one row")
-    return rows, failures, n, src.digest()
+        obj = json.loads(item.payload) if isinstance(item.payload, bytes) else dict(item.payload)
+        rows.append(Row(n, renamed(obj, spec.columns), record, spec.sources[item.source].given if mixed else None,
+                        item.row if mixed else None))
+    return rows, failures, len(drawn.items), drawn.digest
 
 
 def raw_messages(row: Row) -> list[dict]:

@@ -145,7 +145,7 @@ class Conversation:
         if self.turns == 0:
             return passthrough(self.row)
         obj = _with_messages(self.row.obj, self.out)
-        obj["source_line"] = self.row.obj.get("source_line", self.row.line)
+        obj.update(provenance(self.row))
         obj["regenerated_turns"] = self.turns
         if self.truncated:
             obj["truncated_turns"] = list(self.truncated)
@@ -171,9 +171,13 @@ def dump_row(obj: dict) -> str:
 
 
 def passthrough(row: Row) -> TurnOutput:
-    obj = dict(row.obj)
-    obj.setdefault("source_line", row.line)
+    obj = {**row.obj, **provenance(row)}
     return TurnOutput(row.line, text=dump_row(obj), passed_through=True)
+
+
+def provenance(row: Row) -> dict[str, Any]:
+    """What an output row keeps of its origin: the original data's line, and a mix's source."""
+    return {"source_line": row.origin, **({"data_source": row.obj.get("data_source", row.source)} if row.source else {})}
 
 
 def decode(tok, outputs: list[list[int]], keep_special: bool = False) -> list[str]:

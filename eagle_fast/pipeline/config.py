@@ -15,6 +15,7 @@ from pathlib import Path
 from eagle_fast.chat import ChatFormat
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
+from eagle_fast.mixing import DataSpec
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.store.fp8 import check_aux_dtype
 from eagle_fast.store.layouts import KINDS, LAYOUTS
@@ -50,7 +51,7 @@ def fmt_secs(s: float) -> str:
 @dataclass
 class ExtractConfig:
     model: str
-    data: str
+    data: str | DataSpec  # one file (as given), or the sources and their draw (`mixing`)
     out: str
     engine: str = "auto"
     aux_layers: str | None = None
@@ -75,7 +76,6 @@ class ExtractConfig:
     engine_check: bool = True  # vLLM: captures against the engine's own log-probs first (engine_setup.py)
     space_check: bool = True  # refuse up front when the pending bytes exceed --out's free space (plan.py)
     model_source: dict | None = None  # a Hub model's id, revision and commit (hub.ModelRef.describe)
-    data_source: dict | None = None  # a Hub dataset's id, revision, commit, split, config (hub.DataRef)
 
 
 @dataclass
@@ -103,6 +103,7 @@ class Summary:
     field_sizes: tuple = ()   # store.sizes.FieldSize per stored field: the by-field table
     max_len: int = 0          # the layout's seq_length (nemo pads every sample to it)
     keep_mass: tuple = ()     # --keep-mass: (P, k, mean kept k, tokens at the cap, tokens)
+    data_lines: tuple = ()    # a mix: each source's rows taken (mixing.mix_lines)
 
     @property
     def throughput(self) -> float:
@@ -115,6 +116,7 @@ class Summary:
             f"samples      {self.samples:,} ({self.tokens:,} tokens) in {self.shards_done}/{self.shards_total} shards"
             + ("" if self.complete else "  [incomplete]"),
         ]
+        lines += [f"data         {line}" for line in self.data_lines]
         if self.truncated or self.skipped or self.no_loss:
             lines.append(f"inputs       {self.truncated} truncated, {self.skipped} skipped (over --max-len), "
                          f"{self.no_loss} without supervised tokens")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle_fast.errors import UserError
+from eagle_fast.mixing import DataSpec, mix_lines
 from eagle_fast.pipeline.config import ExtractConfig, fmt_bytes
 from eagle_fast.pipeline.prepare import Prepared, prepare
 from eagle_fast.runners.base import capture_plan
@@ -130,7 +131,7 @@ def disk_plan(p: Prepared) -> DiskPlan:
     out_dir, out_free = free_space(p.root)
     cap = _capture_dir(p)
     cap_free = free_space(cap)[1] if cap else None
-    notes = []
+    notes = [f"--data {line}" for line in mix_lines(DataSpec.of(p.cfg.data), p.plan.sources or [])]
     if p.cfg.layout not in ("native", "nemo"):
         notes.append(f"--format {p.cfg.layout}: one file per sample, each with its header allowance counted")
     if p.plan.truncated or p.plan.skipped:

@@ -34,6 +34,7 @@ from eagle_fast.inputs import (
     plan_shards,
     resolve_max_len,
 )
+from eagle_fast.mixing import DataSpec
 from eagle_fast.pipeline.config import ExtractConfig, check_config, parse_shard, resolve_kind
 from eagle_fast.runners.factory import parse_aux_layers, resolve_engine
 from eagle_fast.store import make_layout, spec_to_json
@@ -204,14 +205,7 @@ def _initial_manifest(cfg, info, plan, shards, part, engine, aux, kind, spec, la
             "vocab_size": info.vocab_size,
             **({"hub": cfg.model_source} if cfg.model_source else {}),
         },
-        "data": {
-            "path": str(Path(cfg.data).resolve()),
-            "lines": plan.num_lines,
-            "truncated": plan.truncated,
-            "skipped": plan.skipped,
-            "no_loss": plan.no_loss,
-            **({"hub": cfg.data_source} if cfg.data_source else {}),
-        },
+        "data": _data_block(cfg, plan),
         "aux_layer_ids": aux,
         "supervision": {"kind": kind, "k": spec.k, **({"keep_mass": spec.keep_mass} if spec.keep_mass else {}),
                         "draft_vocab_size": int(draft_ids.numel()) if draft_ids is not None else None,
@@ -232,6 +226,20 @@ def _initial_manifest(cfg, info, plan, shards, part, engine, aux, kind, spec, la
         "runs": [],
     }
     return m
+
+
+def _data_block(cfg: ExtractConfig, plan) -> dict:
+    """The manifest's `data`: the file read and its counts; for several sources (or a draw,
+    or renamed columns), each source with its weight, cap and rows read, drawn, skipped, taken."""
+    spec = DataSpec.of(cfg.data)
+    hub = spec.sources[0].hub if len(spec.sources) == 1 else None
+    out = {"path": str(Path(spec.sources[0].path).resolve()) if len(spec.sources) == 1 else str(spec),
+           "lines": plan.num_lines, "truncated": plan.truncated, "skipped": plan.skipped, "no_loss": plan.no_loss,
+           **({"hub": hub} if hub else {})}
+    if not spec.plain:
+        out["sources"] = [{**s.describe(), **c} for s, c in zip(spec.sources, plan.sources)]
+        out.update(max_samples=spec.max_samples, seed=spec.seed, columns=dict(spec.columns))
+    return out
 
 
 def _existing_manifest(root: Path, part, settings: dict, cfg: ExtractConfig) -> dict | None:

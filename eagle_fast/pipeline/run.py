@@ -38,6 +38,7 @@ from tqdm import tqdm
 from eagle_fast import __version__
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import SamplePlan, ShardPlan, plan_batches
+from eagle_fast.mixing import DataSpec, mix_lines
 from eagle_fast.pipeline.config import ExtractConfig, Summary, fmt_secs
 from eagle_fast.pipeline.engine_setup import (
     build_runner,
@@ -208,6 +209,8 @@ class ShardWriter(threading.Thread):
             del self.sinks[shard.index]
             rec = {"index": shard.index, "samples": len(shard.samples), "tokens": shard.tokens,
                    "lines": [s.line for s in shard.samples], "files": files}
+            if any(s.source for s in shard.samples):  # each line's --data (manifest data.sources); absent: the first
+                rec["sources"] = [s.source for s in shard.samples]
             if self.layout.name == "nemo":
                 # NeMo's shifted input_ids drop each sample's first token; keep it for verify.
                 rec["first_tokens"] = [s.input_ids[0] for s in shard.samples]
@@ -466,4 +469,5 @@ def _summary(p: Prepared) -> Summary:
         fp32_logits_bytes=naive,
         engine=p.engine, truncated=p.plan.truncated, skipped=p.plan.skipped, no_loss=p.plan.no_loss,
         field_sizes=tuple(field_sizes(p.layout)), max_len=p.spec.max_len, keep_mass=kept,
+        data_lines=tuple(mix_lines(DataSpec.of(p.cfg.data), p.plan.sources or [])),
     )
