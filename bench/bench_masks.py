@@ -38,7 +38,8 @@ OPTIONS = [H.option("--ref", default=REF, help=f"the commit to compare with (def
 # Masks of every line of DATA, by the eagle_fast first on sys.path (the one at --ref).
 _OLD = r"""
 import json, sys
-from eagle_fast.inputs import load_tokenizer, read_records, tokenize_record
+from eagle_fast.inputs import load_tokenizer, tokenize_record
+from eagle_fast.records import read_records
 tok = load_tokenizer(sys.argv[1])
 if sys.argv[3]:
     tok.chat_template = open(sys.argv[3]).read()
@@ -59,7 +60,8 @@ def _masks_at(ref: str, tok_dir: Path, data: Path, template: Path | None, work: 
 
 def run(args) -> dict:
     from eagle_fast.chat import ChatFormat
-    from eagle_fast.inputs import load_tokenizer, read_records, tokenize_record
+    from eagle_fast.inputs import load_tokenizer, tokenize_record
+    from eagle_fast.records import read_records
     from eagle_fast.tiny import _data_path, build_tokenizer
 
     site = Path(next(p for p in sys.path if p.endswith("site-packages")))

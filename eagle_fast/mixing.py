@@ -16,17 +16,18 @@ the draw that picks the rows (`DataSpec`, `draw`).
 - One plain source (no weight, cap, --max-samples or columns) reads exactly as before: every
   row, in order, and the data's sha256 as `sources.Source.digest` gives it. Any other spec's
   digest hashes the sources' digests with the settings, so a changed mix never resumes.
-Rows are streamed by `sources.iter_rows`; only the drawn rows are held.
+Rows are streamed by `sources.iter_rows` each time a `Draw` is iterated; none is held.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import random
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -150,15 +151,40 @@ class Item:
     payload: Any
 
 
-@dataclass
 class Draw:
-    items: list[Item]
-    digest: str
-    counts: list[dict] = field(default_factory=list)  # per source: rows, available, wanted, drawn, short
+    """The rows a spec gives, streamed each time it is iterated (`Item`s in dataset order), with
+    the data's digest and each source's counts (rows, available, wanted, drawn, short), known
+    before a row is read."""
+
+    def __init__(self, sources: list, keep: list, digest: str, counts: list[dict]):
+        self._sources, self._keep = sources, keep
+        self.digest, self.counts = digest, counts
+
+    def __len__(self) -> int:
+        return sum(c["drawn"] for c in self.counts)
 
     @property
     def rows_read(self) -> int:
         return sum(c["rows"] for c in self.counts)
+
+    def __iter__(self) -> Iterator[Item]:
+        streams = [_items(i, src, keep) for i, (src, keep) in enumerate(zip(self._sources, self._keep))]
+        if len(streams) == 1:
+            yield from streams[0]
+            return
+        # the k-th of a source's n rows sits at (k + 1/2) / n of the way: every prefix holds the mix
+        for _, i in heapq.merge(*[_slots(i, c["drawn"]) for i, c in enumerate(self.counts)]):
+            yield next(streams[i])
+
+
+def _items(source: int, src, keep: set[int] | None) -> Iterator[Item]:
+    for n, where, payload in iter_rows(src, keep):
+        yield Item(source, n, where, payload)
+
+
+def _slots(source: int, n: int) -> Iterator[tuple[float, int]]:
+    for k in range(n):
+        yield (2 * k + 1) / (2 * n), source
 
 
 def shares(available: list[int], weights: list[float], total: int) -> list[int]:
@@ -198,18 +224,13 @@ def draw(data: str | Path | DataSpec) -> Draw:
     """The rows `data` gives, in dataset order (module docstring)."""
     spec = DataSpec.of(data)
     opened = [open_source(s.path) for s in spec.sources]
-    if spec.plain:
-        src = opened[0]
-        items = [Item(0, n, where, payload) for n, where, payload in iter_rows(src)]
-        if not items:
-            raise UserError(f"--data {src.path} has no rows", "give it at least one row")
-        digest = src.digest()
-        return Draw(items, digest, [{"rows": len(items), "available": len(items), "wanted": len(items),
-                                     "drawn": len(items), "short": False}])
     rows = [count_rows(src) for src in opened]
     for s, r in zip(spec.sources, rows):
         if r == 0:
-            raise UserError(f"--data {s.given} has no rows", "give it at least one row, or drop it")
+            raise UserError(f"--data {s.given} has no rows", "give it at least one row" + ("" if spec.plain else ", or drop it"))
+    if spec.plain:
+        return Draw(opened, [None], opened[0].digest(), [{"rows": rows[0], "available": rows[0], "wanted": rows[0],
+                                                         "drawn": rows[0], "short": False}])
     available = [min(r, s.cap) if s.cap is not None else r for r, s in zip(rows, spec.sources)]
     weights = [s.weight if s.weight is not None else float(a) for s, a in zip(spec.sources, available)]
     if spec.max_samples is not None:
@@ -221,18 +242,11 @@ def draw(data: str | Path | DataSpec) -> Draw:
         total = sum(available)
     counts = shares(available, weights, total)
     wanted = shares([total] * len(rows), weights, total)
-    chosen = []
-    for i, (r, n) in enumerate(zip(rows, counts)):
-        chosen.append(None if n == r else set(random.Random(f"{spec.seed}:{i}").sample(range(r), n)))
-    per_source: list[list[Item]] = []
-    for i, src in enumerate(opened):
-        keep = chosen[i]
-        per_source.append([Item(i, n, where, payload) for n, where, payload in iter_rows(src, keep)])
-    order = sorted(((k + 0.5) / len(items), i, k) for i, items in enumerate(per_source) for k in range(len(items)))
-    items = [per_source[i][k] for _, i, k in order]
+    keep = [None if n == r else set(random.Random(f"{spec.seed}:{i}").sample(range(r), n))
+            for i, (r, n) in enumerate(zip(rows, counts))]
     info = [{"rows": r, "available": a, "wanted": w, "drawn": n, "short": n < w}
             for r, a, w, n in zip(rows, available, wanted, counts)]
-    return Draw(items, _digest(spec, [src.digest() for src in opened]), info)
+    return Draw(opened, keep, _digest(spec, [src.digest() for src in opened]), info)
 
 
 def renamed(obj: Any, columns: tuple[tuple[str, str], ...]) -> Any:

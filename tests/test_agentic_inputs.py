@@ -18,7 +18,8 @@ from _templates import oracle, oracle_mask, shipped, tokenizer
 
 from eagle_fast.chat import ChatFormat, for_template
 from eagle_fast.errors import UserError
-from eagle_fast.inputs import parse_line, tokenize_record
+from eagle_fast.inputs import tokenize_record
+from eagle_fast.records import parse_line
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object",

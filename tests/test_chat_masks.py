@@ -21,7 +21,8 @@ from _templates import oracle, oracle_mask, tokenizer
 
 from eagle_fast.chat import ChatFormat, encode_chat, for_template
 from eagle_fast.errors import UserError
-from eagle_fast.inputs import parse_line, tokenize_record
+from eagle_fast.inputs import tokenize_record
+from eagle_fast.records import parse_line
 
 CHATS = {
     "multi-turn": [

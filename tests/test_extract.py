@@ -20,11 +20,9 @@ from eagle_fast.inputs import (
     SamplePlan,
     ShardPlan,
     load_tokenizer,
-    parse_line,
     plan_batches,
     plan_inputs,
     plan_shards,
-    read_records,
     resolve_max_len,
     tokenize_record,
 )
@@ -33,6 +31,7 @@ from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.prepare import prepare
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify
+from eagle_fast.records import parse_line, read_records
 from eagle_fast.store.manifest import part_slice
 
 

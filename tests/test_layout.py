@@ -29,7 +29,7 @@ MAX_LINES = 500
 STAGES = [
     ("foundation", ("eagle_fast", "eagle_fast.errors", "eagle_fast.dtypes", "eagle_fast.files", "eagle_fast.hub",
                     "eagle_fast.memory", "eagle_fast.tiny", "eagle_fast.data")),
-    ("inputs", ("eagle_fast.chat", "eagle_fast.sources", "eagle_fast.mixing", "eagle_fast.inputs")),
+    ("inputs", ("eagle_fast.chat", "eagle_fast.sources", "eagle_fast.mixing", "eagle_fast.records", "eagle_fast.inputs")),
     ("kernels", ("eagle_fast.kernels",)),
     ("supervision", ("eagle_fast.supervision",)),
     ("target", ("eagle_fast.checkpoint", "eagle_fast.head", "eagle_fast.runners")),

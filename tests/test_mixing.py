@@ -22,12 +22,12 @@ import pytest
 from _pipeline import chat_lines, manifest_core, tree_digest, write_jsonl
 
 from eagle_fast.errors import UserError
-from eagle_fast.inputs import read_data
 from eagle_fast.loop.rows import read_rows
 from eagle_fast.loop.turns import passthrough
 from eagle_fast.mixing import DataSpec, draw, parse_columns, parse_source, resolve_spec, shares
 from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.run import extract
+from eagle_fast.records import read_data
 from eagle_fast.sources import BATCH_ROWS, count_rows, iter_rows, open_source
 
 pa = pytest.importorskip("pyarrow")
@@ -79,19 +79,19 @@ def test_a_weighted_mix_is_deterministic_and_in_proportion_in_every_prefix(tmp_p
     spec = resolve_spec([f"{a}:0.6", f"{b}:0.4"], max_samples=2000)
     first = draw(spec)
     again = draw(spec)
-    assert [(i.source, i.row) for i in first.items] == [(i.source, i.row) for i in again.items]
+    assert [(i.source, i.row) for i in first] == [(i.source, i.row) for i in again]
     assert first.digest == again.digest
-    picks = [i.source for i in first.items]
+    picks = [i.source for i in first]
     assert len(picks) == 2000 and picks.count(0) == 1200 and picks.count(1) == 800
     for end in range(100, 2001, 100):  # every shard of the dataset holds the mix, to a row
         assert abs(picks[:end].count(0) - 0.6 * end) <= 1, end
-    rows_a = [i.row for i in first.items if i.source == 0]
+    rows_a = [i.row for i in first if i.source == 0]
     assert rows_a == sorted(rows_a) and len(set(rows_a)) == 1200 and max(rows_a) > 2500  # a draw, in order
     assert [c["rows"] for c in first.counts] == [3000, 2500]
     other = draw(resolve_spec([f"{a}:0.6", f"{b}:0.4"], max_samples=2000, seed=1))
-    assert [i.row for i in other.items if i.source == 0] != rows_a and other.digest != first.digest
+    assert [i.row for i in other if i.source == 0] != rows_a and other.digest != first.digest
     # the rows a draw names are the rows it holds
-    for item in first.items[:50]:
+    for item in list(first)[:50]:
         want = f"{'ab'[item.source]} row {item.row}"
         got = item.payload if isinstance(item.payload, dict) else json.loads(item.payload)
         assert got["text"] == want
@@ -297,3 +297,22 @@ def test_every_data_command_takes_the_same_mix(two_sources, tiny_llama, tmp_path
     code, out, err = run_main(capsys, "vocab", "--model", tiny_llama, "--out", tmp_path / "v.pt", "--size", "32",
                               *flags)
     assert code == 0 and "in 12 samples" in out + err, out + err
+
+
+def test_the_plan_of_a_large_source_holds_about_five_bytes_a_token(tmp_path):
+    import tracemalloc
+
+    from eagle_fast.inputs import plan_inputs
+
+    n, length = 2000, 500
+    data = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [(i * 7 + j) % 30000 + 300 for j in range(length)]}
+                                                for i in range(n)])
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        plan = plan_inputs(data, None, 32000, max_len=length, overlong="truncate")
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert plan.tokens == n * length and plan.samples[5].input_ids[:2] == [335, 336]
+    assert held < 5 * n * length + 300 * n, f"{held / (n * length):.1f} bytes a token"  # a list: ~40

@@ -249,7 +249,7 @@ def test_bad_settings_refused_before_any_engine(tmp_path, model_and_data):
 
 
 def test_source_line_is_read_and_checked():
-    from eagle_fast.inputs import parse_line
+    from eagle_fast.records import parse_line
 
     assert parse_line("f", 3, json.dumps({"text": "a", "source_line": 17})).source_line == 17
     assert parse_line("f", 3, json.dumps({"text": "a"})).source_line is None

@@ -19,8 +19,8 @@ from typing import Any
 
 from eagle_fast.chat import ChatFormat, for_template, render
 from eagle_fast.errors import UserError
-from eagle_fast.inputs import Record, record_of
 from eagle_fast.mixing import DataSpec, draw, renamed
+from eagle_fast.records import Record, record_of
 
 
 @dataclass
@@ -64,7 +64,7 @@ def read_rows(data: str | os.PathLike | DataSpec) -> tuple[list[Row], list[Failu
     mixed = len(spec.sources) > 1
     rows: list[Row] = []
     failures: list[Failure] = []
-    for n, item in enumerate(drawn.items, 1):
+    for n, item in enumerate(drawn, 1):
         path, row = item.where
         where = f"{path}:{row}" if mixed or (path, row) != (spec.sources[0].path, n) else None
         try:
@@ -77,7 +77,7 @@ def read_rows(data: str | os.PathLike | DataSpec) -> tuple[list[Row], list[Failu
         obj = json.loads(item.payload) if isinstance(item.payload, bytes) else dict(item.payload)
         rows.append(Row(n, renamed(obj, spec.columns), record, spec.sources[item.source].given if mixed else None,
                         item.row if mixed else None))
-    return rows, failures, len(drawn.items), drawn.digest
+    return rows, failures, len(drawn), drawn.digest
 
 
 def raw_messages(row: Row) -> list[dict]:

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from eagle_fast.chat import ChatFormat
 from eagle_fast.errors import UserError
-from eagle_fast.inputs import load_tokenizer, read_records, tokenize_record
+from eagle_fast.inputs import load_tokenizer, tokenize_record
 from eagle_fast.pipeline.config import fmt_bytes
+from eagle_fast.records import read_records
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.dataset import Eagle3Dataset
 from eagle_fast.store.manifest import (
