@@ -184,6 +184,19 @@ def test_a_mix_extracts_the_same_bytes_every_time_and_records_its_draw(two_sourc
         extract(_cfg(tiny_llama, other, tmp_path / "one"))
 
 
+def test_a_mix_split_across_nodes_merges_to_the_single_run(two_sources, tiny_llama, tmp_path):
+    from eagle_fast.pipeline.merge import merge
+
+    _, a, b = two_sources
+    spec = resolve_spec([f"{a}:0.7", f"{b}:0.3"], columns="messages=conversation", max_samples=16, seed=5)
+    extract(_cfg(tiny_llama, spec, tmp_path / "single"))
+    for i in range(2):
+        extract(_cfg(tiny_llama, spec, tmp_path / "shared", shard=f"{i}/2"))
+    merge(str(tmp_path / "shared"))
+    assert tree_digest(tmp_path / "shared", skip_manifest=True) == tree_digest(tmp_path / "single", skip_manifest=True)
+    assert manifest_core(tmp_path / "shared") == manifest_core(tmp_path / "single")
+
+
 def test_a_mix_of_one_source_under_its_own_names_gives_the_plain_bytes(two_sources, tiny_llama, tmp_path):
     _, a, _ = two_sources
     extract(_cfg(tiny_llama, str(a), tmp_path / "plain"))
