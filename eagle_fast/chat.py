@@ -266,9 +266,10 @@ def _swap(msgs: list[dict], i: int, probe: str) -> list[dict]:
 
 
 def _swap_calls(msgs: list[dict], i: int, probe: str) -> list[dict]:
-    """Message i with every tool call's name and arguments made of the probe character."""
-    calls = [{**c, "function": {**c["function"], "name": probe, "arguments": {probe: probe}}}
-             for c in msgs[i]["tool_calls"]]
+    """Message i with every tool call's arguments made of the probe character. The names stay:
+    a template may write a call's name into the tool result that answers it (gpt-oss:
+    `<|start|>functions.NAME to=assistant`), which is not the assistant's."""
+    calls = [{**c, "function": {**c["function"], "arguments": {probe: probe}}} for c in msgs[i]["tool_calls"]]
     return msgs[:i] + [{**msgs[i], "tool_calls": calls}] + msgs[i + 1:]
 
 

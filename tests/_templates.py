@@ -6,7 +6,10 @@ Each template comes unmodified from an installed package (none is written here):
 - chatml: vLLM's `template_chatml.jinja` (no end token after a final assistant turn);
 - deepseek: vLLM's `template_deepseek_vl2.jinja` (plain-text headers, eos_token ends a turn);
 - llama4: transformers' Llama-4 processor template (header tokens, `<|eot|>`);
-- mistral: the template mistral_common generates for a v11 (Mistral-Small-3.x) tokenizer.
+- mistral: the template mistral_common generates for a v11 (Mistral-Small-3.x) tokenizer;
+- llama3, gpt_oss: Llama-3.1-Instruct's and gpt-oss's templates, as xinference's wheel carries
+  them verbatim (requirements/templates.txt; `make venv` downloads it to .venv/wheels, never
+  installs it, and they are read out of the zip).
 `oracle(name, ...)` is a copy with `{% generation %}` placed around each assistant turn's
 content and end token (a text edit of the shipped template; every edit must apply exactly once,
 so a changed upstream template fails loudly), read through transformers'
@@ -34,7 +37,12 @@ SPECIALS = {
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"}),
     "mistral": (["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]"], [],
                 {"bos_token": "<s>", "eos_token": "</s>"}),
+    "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                "<|python_tag|>"], [], {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
+    "gpt_oss": (["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>", "<|constrain|>"],
+                [], {"eos_token": "<|return|>"}),
 }
+WHEEL_TEMPLATES = {"llama3": ("llama-3.1-instruct", "llama-3.1-instruct"), "gpt_oss": ("gpt-oss", "gpt-oss")}
 
 
 def shipped(name: str) -> str:
@@ -56,7 +64,20 @@ def shipped(name: str) -> str:
             thinking_support=False, default_system_prompt=None, plain_thinking_support=False,
             use_special_token_variables=True, model_settings_fields=None, reasoning_effort_values=None,
             reasoning_effort_default=None)
+    if name in WHEEL_TEMPLATES:
+        return _from_wheel(*WHEEL_TEMPLATES[name])
     raise KeyError(name)
+
+
+def _from_wheel(file: str, model: str) -> str:
+    import json
+    import zipfile
+
+    wheels = sorted((Path(sys.prefix) / "wheels").glob("xinference-*.whl"))
+    assert wheels, f"no xinference wheel in {Path(sys.prefix) / 'wheels'}: run `make venv` (requirements/templates.txt)"
+    with zipfile.ZipFile(wheels[-1]) as z:
+        families = json.loads(z.read(f"xinference/model/llm/models/{file}.json"))
+    return next(f["chat_template"] for f in families if f.get("model_name") == model)
 
 
 def tokenizer(name: str, directory: Path):
@@ -128,6 +149,29 @@ def oracle(name: str, *, keep_empty_think: bool = False, prompt_think: bool = Fa
                   "        {%- generation %}{%- if message['content'] %}\n            {{- render_content("
                   "content=message['content'], context_name='assistant message contents') -}}")
         return _edit(t, "        {{- eos_token }}\n", "        {{- eos_token }}{%- endgeneration %}\n")
+    if name == "llama3":
+        # a text turn: its content and <|eot_id|> after the header
+        t = _edit(t, "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim "
+                     "+ '<|eot_id|>' }}",
+                  "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+                  "{%- if message['role'] == 'assistant' %}{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}"
+                  "{%- endgeneration %}{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}")
+        # a call turn: everything after its header, through <|eot_id|> (or <|eom_id|>)
+        head = len("<|start_header_id|>assistant<|end_header_id|>\n\n")
+        t = _edit(t, "{%- set tool_call = message.tool_calls[0].function %}",
+                  "{%- set tool_call = message.tool_calls[0].function %}{%- set body %}")
+        return _edit(t, "        {%- endif %}\n    {%- elif message.role == \"tool\" or message.role == \"ipython\" %}",
+                     f"        {{%- endif %}}{{%- endset %}}{{{{- body[:{head}] }}}}{{%- generation %}}{{{{- body[{head}:] }}}}"
+                     "{%- endgeneration %}\n    {%- elif message.role == \"tool\" or message.role == \"ipython\" %}")
+    if name == "gpt_oss":
+        # an assistant turn: all it writes after `<|start|>assistant`, the generation prompt (its
+        # analysis, its call or final message, and the <|start|>assistant between them)
+        head = len("<|start|>assistant")
+        t = _edit(t, "    {%- if message.role == 'assistant' -%}\n",
+                  "    {%- if message.role == 'assistant' -%}{%- set body %}\n")
+        return _edit(t, "    {%- elif message.role == 'tool' -%}",
+                     f"    {{%- endset %}}{{{{- body[:{head}] }}}}{{%- generation %}}{{{{- body[{head}:] }}}}"
+                     "{%- endgeneration %}\n    {%- elif message.role == 'tool' -%}")
     raise KeyError(name)
 
 

@@ -3,8 +3,8 @@ JSON-string arguments), tool results with text parts, LLaMA-Factory's ShareGPT
 `function_call` / `observation` turns, through `inputs` and the chat masks.
 
 What: the tool schemas reach the template; a tool call is part of its assistant turn's mask
-and tool results never are, equal to the `{% generation %}` oracle of vLLM's Qwen3-style
-template with the tools passed; the OpenAI and ShareGPT forms of one conversation give the same
+and tool results never are, equal to the `{% generation %}` oracles of the templates as they
+ship (vLLM's Qwen3-style, Llama-4, Mistral v11, Llama-3.1, gpt-oss) with the tools passed; the OpenAI and ShareGPT forms of one conversation give the same
 ids and mask; JSON-string arguments render as the object does; a malformed call or schema fails
 its line, with the number.
 """
@@ -166,3 +166,57 @@ def test_mistral_tool_calls_after_their_special_token_match_the_oracle(tmp_path)
     supervised = tok.decode([t for t, m in zip(ids, mask) if m])
     assert 'get_weather[CALL_ID]call00002[ARGS]{"city": "Rome"}' in supervised
     assert "Sunny" not in supervised and "[AVAILABLE_TOOLS]" not in supervised
+
+
+AGENTIC = [{"role": "system", "content": "Be brief."},
+           {"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [call("Paris", True)]},
+           {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": "Sunny, 21C"},
+           {"role": "assistant", "content": "It is sunny, 21C."},
+           {"role": "user", "content": "Thanks!"},
+           {"role": "assistant", "content": "You are welcome."}]
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"tools_in_user_message": False}])
+def test_llama3_masks_equal_the_oracle_and_parallel_calls_fail_their_line(tmp_path, kwargs):
+    """Llama-3.1's template as it ships: a call turn is the JSON call and <|eot_id|> after the
+    header; text turns are trimmed; tool results never count. It refuses parallel calls, and so
+    does the line (number and reason); reasoning it cannot render fails the line too."""
+    tok = tokenizer("llama3", tmp_path)
+    chat = ChatFormat(template=shipped("llama3"), kwargs=kwargs)
+    rec = _rec({"tools": TOOLS, "messages": AGENTIC})
+    ids, mask = tokenize_record(rec, tok, "data.jsonl", chat)
+    assert (ids, mask) == oracle_mask(tok, for_template(rec.value, chat.template), oracle("llama3"), tools=TOOLS,
+                                      **kwargs)
+    supervised = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>' in supervised
+    assert "Sunny" not in supervised and "ipython" not in supervised and "Weather in" not in supervised
+    parallel = [*AGENTIC[:2], {"role": "assistant", "content": None, "tool_calls": [call("Paris"), call("Rome")]}]
+    with pytest.raises(UserError, match=r"data\.jsonl:4: the chat template failed .*single tool-calls"):
+        tokenize_record(_rec({"tools": TOOLS, "messages": parallel}, 4), tok, "data.jsonl", chat)
+    thinking = [*AGENTIC[:4], {"role": "assistant", "content": "Sunny.", "reasoning_content": "say it"}]
+    with pytest.raises(UserError, match=r"data\.jsonl:5: cannot mask this chat: .*renders none"):
+        tokenize_record(_rec({"tools": TOOLS, "messages": thinking}, 5), tok, "data.jsonl", chat)
+
+
+def test_gpt_oss_masks_equal_the_oracle_with_reasoning_and_calls(tmp_path):
+    """gpt-oss's template as it ships (harmony): an assistant turn is all it writes after
+    `<|start|>assistant`: its analysis (the last turn's only: earlier reasoning is dropped), its
+    call to=functions.NAME ... <|call|>, its final message and <|end|> / <|return|>. The tool
+    result's header names the call, and is not the assistant's."""
+    tok = tokenizer("gpt_oss", tmp_path)
+    chat = ChatFormat(template=shipped("gpt_oss"))
+    msgs = [dict(m) for m in AGENTIC]
+    msgs[2]["reasoning_content"] = "I should look it up."
+    msgs[4]["reasoning_content"] = "Report it."
+    msgs[6]["reasoning_content"] = "Be polite."
+    msgs[2]["tool_calls"] = [call("Paris", True), call("Rome")]  # the template writes the first call only
+    rec = _rec({"tools": TOOLS, "messages": msgs})
+    ids, mask = tokenize_record(rec, tok, "data.jsonl", chat)
+    assert (ids, mask) == oracle_mask(tok, for_template(rec.value, chat.template), oracle("gpt_oss"), tools=TOOLS)
+    supervised = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert ('<|channel|>analysis<|message|>I should look it up.<|end|><|start|>assistant to=functions.get_weather'
+            '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in supervised
+    assert "Report it." not in supervised and "<|channel|>final<|message|>It is sunny, 21C.<|end|>" in supervised
+    assert "Be polite.<|end|><|start|>assistant<|channel|>final<|message|>You are welcome.<|return|>" in supervised
+    assert "Sunny" not in supervised and "functions.get_weather to=assistant" not in supervised
