@@ -329,3 +329,21 @@ def test_the_plan_of_a_large_source_holds_about_five_bytes_a_token(tmp_path):
         tracemalloc.stop()
     assert plan.tokens == n * length and plan.samples[5].input_ids[:2] == [335, 336]
     assert held < 5 * n * length + 300 * n, f"{held / (n * length):.1f} bytes a token"  # a list: ~40
+
+
+def test_regenerate_reads_its_chunks_as_they_are_asked_for(two_sources):
+    from eagle_fast.loop.regenerate import ChunkStream
+    from eagle_fast.loop.rows import Row
+
+    _, a, b = two_sources
+    spec = resolve_spec([f"{a}:0.5", f"{b}:0.5"], columns="messages=conversation", max_samples=14)
+    rows, _, _, _ = read_rows(spec)
+    want = [rows[i: i + 4] for i in range(0, len(rows), 4)]
+    chunks = ChunkStream(spec, draw(spec), 4, 1, len(want))  # resumed after chunk 0
+    assert len(chunks) == len(want) - 1
+    got = list(chunks)
+    assert [[(r.line, r.obj) for r in c] for c in got] == [[(r.line, r.obj) for r in c] for c in want[1:]]
+    assert all(isinstance(r, Row) for c in got for r in c)
+    again = ChunkStream(spec, draw(spec), 4, 0, len(want))
+    with pytest.raises(IndexError, match="out of order"):
+        again[1]

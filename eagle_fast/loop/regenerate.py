@@ -2,7 +2,7 @@
 learns the target's own distribution (what SpecForge, speculators, NeMo AutoModel and ModelOpt
 users do before extracting).
 
-Flow: read every line (`rows.read_rows`: a bad line is reported, not fatal), split the rows
+Flow: read every line (`rows.stream_rows`: a bad line is reported, not fatal), split the rows
 into chunks of `--chunk-rows` by position, regenerate each chunk turn by turn through one
 vLLM engine (`turns.run_chunk`), append its rows to `OUT.part` in input order, then record the
 chunk in the sidecar `OUT.part.json` (after an fsync). At the end `OUT.part` becomes `OUT`
@@ -16,12 +16,15 @@ a torn last line) are checked: complete lines of the unfinished chunk are kept, 
 cut, and the chunk is recomputed; its rows already on disk are not written twice. A chunk's
 output depends only on its rows and the settings (`turns.run_chunk`), so at temperature 0 (and
 at any temperature, rows being seeded by line) the resumed file equals an uninterrupted one.
-Limits: the input is read whole up front; rows are written per chunk, not per row.
+The rows are streamed twice (a first pass counts them and finds the bad ones and the calling
+ones; the second reads each chunk as the engine asks for it), so one chunk of rows is held.
+Limits: rows are written per chunk, not per row.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import os
@@ -37,9 +40,9 @@ from eagle_fast.files import atomic_write_json, fsync_dir
 from eagle_fast.inputs import load_tokenizer
 from eagle_fast.loop.engine import Sampling, check_settings, generation_kwargs
 from eagle_fast.loop.regen_ray import ray_chunks
-from eagle_fast.loop.rows import Failure, Row, read_rows
+from eagle_fast.loop.rows import Failure, Row, stream_rows
 from eagle_fast.loop.turns import TurnOutput, chunk_outputs, tool_parser_names
-from eagle_fast.mixing import DataSpec
+from eagle_fast.mixing import DataSpec, draw
 from eagle_fast.pipeline.config import fmt_secs
 from eagle_fast.runners import generation
 from eagle_fast.runners.engine_settings import VLLMSettings
@@ -212,14 +215,28 @@ def _resume_state(cfg: RegenerateConfig, sha: str, n_chunks: int) -> dict:
 def regenerate(cfg: RegenerateConfig, ray=None) -> Summary:
     """Run (or resume) `cfg`; returns the summary, also written to `OUT.report.json`."""
     cfg.check()
-    rows, failures, n_read, sha = read_rows(cfg.data)
-    calling = [r.line for r in rows if r.record.kind == "messages" and any(m.get("tool_calls") for m in r.record.value)]
+    spec = DataSpec.of(cfg.data)
+    drawn = draw(spec)
+    n_read, sha = len(drawn), drawn.digest
+    failures: list[Failure] = []
+    n_rows, calling = 0, []  # a first pass, streamed: the counts, the failures and the calling rows
+    for got in stream_rows(spec, drawn):
+        if isinstance(got, Failure):
+            failures.append(got)
+            continue
+        n_rows += 1
+        if got.record.kind == "messages" and any(m.get("tool_calls") for m in got.record.value):
+            calling.append(got.line)
     if calling and cfg.tool_turns == "regenerate" and cfg.tool_call_parser is None:
         raise UserError(f"{len(calling):,} rows have tool calls (the first on line {calling[0]}), and regenerating them "
                         "needs vLLM's tool parser for this model",
                         "pass --tool-call-parser NAME (vLLM's name: hermes for Qwen3, llama3_json, mistral, openai "
                         "for gpt-oss, ...), or --tool-turns keep to keep tool calls and their results verbatim")
-    chunks = [rows[i: i + cfg.chunk_rows] for i in range(0, len(rows), cfg.chunk_rows)]
+    n_chunks = -(-n_rows // cfg.chunk_rows)
+
+    def chunk_len(c: int) -> int:
+        return min(cfg.chunk_rows, n_rows - c * cfg.chunk_rows)
+
     report = report_path(cfg.out)
     if Path(cfg.out).exists() and not state_path(cfg.out).exists():
         done = json.loads(report.read_text()) if report.exists() else {}
@@ -230,28 +247,26 @@ def regenerate(cfg: RegenerateConfig, ray=None) -> Summary:
                                                 ", and is not the output of a finished regenerate run"),
                         "pass another --out, or delete it (and its .report.json) to redo it")
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    state = _resume_state(cfg, sha, len(chunks))
+    state = _resume_state(cfg, sha, n_chunks)
     summary = Summary(cfg.out, n_read, failures=list(failures))
     for rec in state["chunks"]:
         summary_part = Summary.from_json(rec["summary"])
         _merge(summary, summary_part)
     summary.resumed_chunks = len(state["chunks"])
-    pending = list(range(len(state["chunks"]), len(chunks)))
+    pending = list(range(len(state["chunks"]), n_chunks))
     t0 = time.perf_counter()
     if pending:
         kept = _trim_part(cfg, state)
-        if ray is not None:
-            results = ray_chunks(cfg, [chunks[c] for c in pending], ray)
-        else:
-            results = local_chunks(cfg, [chunks[c] for c in pending])
-        rate = _Rate(sum(len(chunks[c]) for c in pending))
+        chunks = ChunkStream(spec, drawn, cfg.chunk_rows, pending[0], n_chunks)  # read as the engines ask
+        results = ray_chunks(cfg, chunks, ray) if ray is not None else local_chunks(cfg, chunks)
+        rate = _Rate(sum(chunk_len(c) for c in pending))
         for c, outputs in zip(pending, results):
             try:
                 _commit_chunk(cfg, state, summary, c, outputs, kept if c == pending[0] else 0)
             except OSError as exc:
                 if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
-                left = sum(len(chunks[d]) for d in pending if d >= c)
+                left = sum(chunk_len(d) for d in pending if d >= c)
                 raise UserError(f"the disk filled while writing {part_path(cfg.out)} ({exc.strerror}): {left:,} rows "
                                 "are still to be written; the chunks finished so far are kept",
                                 "free space, then re-run the same command: it resumes from the last finished "
@@ -327,7 +342,30 @@ def _finish(cfg: RegenerateConfig, state: dict, summary: Summary, sha: str) -> N
     state_path(cfg.out).unlink()
 
 
-def local_chunks(cfg: RegenerateConfig, chunks: list[list[Row]]):
+class ChunkStream:
+    """Chunks [first, n) of the data's good rows, `size` rows each, read from the data as they
+    are asked for, in order (`ray_chunks` dispatches them so): one chunk of rows held at a time."""
+
+    def __init__(self, spec: DataSpec, drawn, size: int, first: int, n: int):
+        self._rows = (r for r in stream_rows(spec, drawn) if isinstance(r, Row))
+        self._size, self._first, self._n, self._next = size, first, n, 0
+        for _ in itertools.islice(self._rows, first * size):
+            pass
+
+    def __len__(self) -> int:
+        return self._n - self._first
+
+    def __getitem__(self, k: int) -> list[Row]:
+        if k != self._next or k >= len(self):
+            raise IndexError(f"chunk {k} asked for out of order (next is {self._next} of {len(self)})")
+        self._next += 1
+        return list(itertools.islice(self._rows, self._size))
+
+    def __iter__(self):
+        return (self[k] for k in range(self._next, len(self)))
+
+
+def local_chunks(cfg: RegenerateConfig, chunks):
     """Each chunk's outputs, from one engine in this process (a generator: the engine stops
     when it is exhausted or closed)."""
     tok = load_tokenizer(cfg.model)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from eagle_fast.chat import ChatFormat, for_template, render
 from eagle_fast.errors import UserError
-from eagle_fast.mixing import DataSpec, draw, renamed
+from eagle_fast.mixing import DataSpec, Draw, draw, renamed
 from eagle_fast.records import Record, record_of
 
 
@@ -61,9 +62,16 @@ def read_rows(data: str | os.PathLike | DataSpec) -> tuple[list[Row], list[Failu
     rows are numbered from 1 in the data's order, as a jsonl file's lines are."""
     spec = DataSpec.of(data)
     drawn = draw(spec)
-    mixed = len(spec.sources) > 1
     rows: list[Row] = []
     failures: list[Failure] = []
+    for got in stream_rows(spec, drawn):
+        (rows if isinstance(got, Row) else failures).append(got)
+    return rows, failures, len(drawn), drawn.digest
+
+
+def stream_rows(spec: DataSpec, drawn: Draw) -> Iterator[Row | Failure]:
+    """Each drawn row as a Row, or as a Failure when it is bad, read as it is asked for."""
+    mixed = len(spec.sources) > 1
     for n, item in enumerate(drawn, 1):
         path, row = item.where
         where = f"{path}:{row}" if mixed or (path, row) != (spec.sources[0].path, n) else None
@@ -71,13 +79,11 @@ def read_rows(data: str | os.PathLike | DataSpec) -> tuple[list[Row], list[Failu
             record = record_of(item, spec.columns)
         except UserError as exc:
             prefix = f"{path}:{row}: "
-            failures.append(Failure(n, exc.cause.removeprefix(prefix),
-                                    exc.fix, where))
+            yield Failure(n, exc.cause.removeprefix(prefix), exc.fix, where)
             continue
         obj = json.loads(item.payload) if isinstance(item.payload, bytes) else dict(item.payload)
-        rows.append(Row(n, renamed(obj, spec.columns), record, spec.sources[item.source].given if mixed else None,
-                        item.row if mixed else None))
-    return rows, failures, len(drawn), drawn.digest
+        yield Row(n, renamed(obj, spec.columns), record, spec.sources[item.source].given if mixed else None,
+                  item.row if mixed else None)
 
 
 def raw_messages(row: Row) -> list[dict]:
