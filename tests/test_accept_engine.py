@@ -240,10 +240,10 @@ def test_bench_measure_reports_a_refusal(target, tmp_path):
 def test_num_prompts_takes_the_first_rows(target, data):
     rows, _, _, _ = read_rows(data)
     tok = load_tokenizer(str(target))
-    prompts, bad, unused = accept_mod.build_prompts(tok, rows, cli.ChatFormat(), 2)
-    assert [p.line for p in prompts] == [1, 2] and not bad and unused == 4  # rows 3, 4, 5, 7
-    prompts, bad, unused = accept_mod.build_prompts(tok, rows, cli.ChatFormat(), None)
-    assert [p.line for p in prompts] == [1, 2, 3, 4, 7] and [f.line for f in bad] == [5] and unused == 0
+    prompts, bad, looked = accept_mod.build_prompts(tok, iter(rows), cli.ChatFormat(), 2)
+    assert [p.line for p in prompts] == [1, 2] and not bad and len(rows) - looked == 4  # rows 3, 4, 5, 7 unread
+    prompts, bad, looked = accept_mod.build_prompts(tok, rows, cli.ChatFormat(), None)
+    assert [p.line for p in prompts] == [1, 2, 3, 4, 7] and [f.line for f in bad] == [5] and looked == len(rows)
     text = tok.decode(prompts[0].ids)  # up to the last user turn, then the generation prompt
     assert text.endswith("<|im_start|>assistant\n")
     assert "How many vowels are in 'embarrass'?" in text and "has 3 vowels" not in text

@@ -19,6 +19,7 @@ Limits: vLLM only; one engine in this process (the CLI's own); prompts are run a
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,8 @@ from eagle_fast.loop.engine import (
     generation_kwargs,
     spec_counters,
 )
-from eagle_fast.loop.rows import Failure, Row, read_rows, record_prompt
-from eagle_fast.mixing import DataSpec
+from eagle_fast.loop.rows import Failure, Row, record_prompt, stream_rows
+from eagle_fast.mixing import DataSpec, draw
 from eagle_fast.runners import generation
 from eagle_fast.runners.engine_settings import VLLMSettings
 
@@ -166,13 +167,20 @@ class AcceptResult:
         return "\n".join(lines)
 
 
-def build_prompts(tok, rows: list[Row], fmt: ChatFormat, limit: int | None) -> tuple[list[Prompt], list[Failure], int]:
-    """(prompts, rows that made none, rows left unread past `limit` prompts)."""
+def build_prompts(tok, rows: Iterable[Row | Failure], fmt: ChatFormat,
+                  limit: int | None) -> tuple[list[Prompt], list[Failure], int]:
+    """(prompts, rows that made none (bad rows included), rows looked at): `rows` is read only
+    up to the `limit`-th prompt, so a stream of rows is read no further."""
     prompts: list[Prompt] = []
     failures: list[Failure] = []
-    for n, row in enumerate(rows):
+    looked = 0
+    for row in rows:
         if limit is not None and len(prompts) == limit:
-            return prompts, failures, len(rows) - n
+            break
+        looked += 1
+        if isinstance(row, Failure):
+            failures.append(row)
+            continue
         try:
             ids = record_prompt(tok, row, fmt)
         except UserError:
@@ -189,7 +197,7 @@ def build_prompts(tok, rows: list[Row], fmt: ChatFormat, limit: int | None) -> t
             failures.append(Failure(row.line, "the prompt is empty", "give the row some text"))
         else:
             prompts.append(Prompt(row.line, ids))
-    return prompts, failures, 0
+    return prompts, failures, looked
 
 
 def fit_context(prompts: list[Prompt], max_model_len: int) -> tuple[list[Prompt], list[Failure]]:
@@ -217,12 +225,13 @@ def accept_each(cfg: AcceptConfig, samplings: list[Sampling]) -> list[AcceptResu
     for sampling in samplings:
         sampling.check()
     fit = check_draft(cfg.draft, cfg.model)
-    rows, failures, n_read, sha = read_rows(cfg.data)
+    spec = DataSpec.of(cfg.data)
+    drawn = draw(spec)
+    n_read, sha = len(drawn), drawn.digest
     tok = load_tokenizer(cfg.model)
-    prompts, bad, unused = build_prompts(tok, rows, cfg.chat, cfg.num_prompts)
-    if unused:  # the lines past the N-th prompt were not looked at
-        failures = [f for f in failures if f.line < prompts[-1].line]
-    failures += bad
+    # streamed: the rows past the N-th prompt are not read
+    prompts, failures, looked = build_prompts(tok, stream_rows(spec, drawn), cfg.chat, cfg.num_prompts)
+    unused = n_read - looked
     if not prompts:
         first = min(failures, key=lambda f: f.line) if failures else None
         raise UserError(f"{cfg.data} gives no prompt" + (f" (line {first.line}: {first.cause})" if first else ""),
