@@ -66,6 +66,9 @@ _ARCH_HEADS: dict[str, tuple[str, str | None, str | None]] = {
     "gemma2": (_ONE_PLUS, None, "final_logit_softcapping"),
     "gemma3": (_ONE_PLUS, None, "final_logit_softcapping"),
     "gemma3_text": (_ONE_PLUS, None, "final_logit_softcapping"),
+    # Gemma-4: a plain RMSNorm (times w in fp32, as olmo2's), unlike Gemma-1/2/3's 1 + w
+    "gemma4": (_RMS, None, "final_logit_softcapping"),
+    "gemma4_text": (_RMS, None, "final_logit_softcapping"),
     "qwen3_next": (_ONE_PLUS, None, None),
 }
 # Families whose head we knowingly do not support, with the reason (clearer than "unknown").

@@ -70,6 +70,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
     ),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}),
+    # Gemma-4 text: a plain RMSNorm head (w, not Gemma-3's 1 + w) with the final softcap, sliding
+    # and full layers, per-layer input embeddings (their vocabulary: the model's, set below).
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+                    {"final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 16, "sliding_window": 128}),
     # MoE: a few small experts, two per token, on every layer.
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
@@ -199,6 +203,8 @@ def _random_model(spec: TinySpec):
     import transformers
 
     config_name, model_name, family = FAMILIES[spec.arch]
+    if spec.arch == "gemma4_text":  # per-layer embeddings over the whole (tiny) vocabulary, not 262,144
+        family = {**family, "vocab_size_per_layer_input": spec.vocab_size}
     Model = getattr(transformers, model_name)
     cfg = getattr(transformers, config_name)(**{**common, **family})  # a family's own values win
     torch.manual_seed(spec.seed)

@@ -1,7 +1,8 @@
 """The head across model families, through every runner that can run each, against transformers.
 
 Tiny random Mistral, Qwen2 (tied), Phi-3, OLMo-2, Granite (`logits_scaling`), Gemma-2 (final
-softcap 30) and Gemma-3 text checkpoints (eagle_fast.tiny): the head spec read from each config
+softcap 30), Gemma-3 text and Gemma-4 text (a plain RMSNorm head, softcap 30) checkpoints
+(eagle_fast.tiny): the head spec read from each config
 (norm variant, logit scale, softcap); lse, top-k log-probs and argmax from HFTargetRunner and,
 where vLLM can capture the family, VLLMTargetRunner, against transformers' own fp32 logits.
 Weights are drawn with std 0.2 so the logits reach ~15 and the Gemma-2 softcap bites; a head
@@ -45,6 +46,7 @@ FAMILIES = {
     "granite": (False, {"norm": "rms", "logit_scale": 0.25, "softcap": None}, True),
     "gemma2": (True, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": 30.0}, False),
     "gemma3_text": (True, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": None}, False),
+    "gemma4_text": (True, {"norm": "rms", "logit_scale": 1.0, "softcap": 30.0}, True),
     "qwen3_moe": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
     "mixtral": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, False),
     "gpt_oss": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
