@@ -70,6 +70,10 @@ _ARCH_HEADS: dict[str, tuple[str, str | None, str | None]] = {
     "gemma4": (_RMS, None, "final_logit_softcapping"),
     "gemma4_text": (_RMS, None, "final_logit_softcapping"),
     "qwen3_next": (_ONE_PLUS, None, None),
+    "qwen3_5": (_ONE_PLUS, None, None),
+    "qwen3_5_text": (_ONE_PLUS, None, None),
+    "qwen3_5_moe": (_ONE_PLUS, None, None),
+    "qwen3_5_moe_text": (_ONE_PLUS, None, None),
 }
 # Families whose head we knowingly do not support, with the reason (clearer than "unknown").
 _UNSUPPORTED = {

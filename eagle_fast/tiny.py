@@ -100,6 +100,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
                     "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
                     "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                     "shared_expert_intermediate_size": 64, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    # Qwen3.5 text (dense): Qwen3-Next's gated-delta-net layers, at the same head dim, between full ones.
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                     {"linear_num_value_heads": 2, "linear_num_key_heads": 2, "linear_key_head_dim": 128,
+                      "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 2}),
     # Llama-4 text: MoE on every layer, QK norm, no-RoPE layers; chunked attention at vLLM's
     # smallest chunk (a multiple of its 128-token KV block).
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",

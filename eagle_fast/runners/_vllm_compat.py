@@ -168,6 +168,21 @@ def eagle3_support(
     return model_cls.__name__, bool(supports_eagle3(model_cls))
 
 
+def model_class_error(architectures: Sequence[str], model_impl: str = "auto") -> str | None:
+    """Why vLLM's class for `architectures` cannot be imported here (no engine could start), or None."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    registered = [a for a in (["TransformersForCausalLM"] if model_impl == "transformers" else architectures)
+                  if a in ModelRegistry.models]
+    try:
+        if registered:
+            ModelRegistry.models[registered[0]].load_model_cls()
+    except Exception as exc:  # noqa: BLE001 -- any import failure stops the engine the same way
+        return (f"vLLM cannot import its model class for {registered[0]} here ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:160]}), so the engine would die at start-up")
+    return None
+
+
 def dtype_str(dtype: torch.dtype) -> str:
     return _VLLM_DTYPE[dtype]
 

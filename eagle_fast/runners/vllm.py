@@ -86,8 +86,8 @@ def capture_unsupported(architectures: list[str], model_type: str | None = None,
     """Why vLLM cannot capture EAGLE-3 aux hidden states from this model, or None when it can
     (or cannot tell: the engine start then decides). Cheap: no weights, no engine."""
     class_name, supported = compat.eagle3_support(architectures, model_impl)
-    if supported is not False:
-        return None
+    if supported is not False:  # None: cannot tell, unless its class does not import at all
+        return compat.model_class_error(architectures, model_impl) if supported is None else None
     family = f"{model_type} " if model_type else ""
     return (f"vLLM cannot capture EAGLE-3 hidden states from this {family}model ({', '.join(architectures)}): "
             f"its model class {class_name} does not implement SupportsEagle3 (aux hidden-state outputs), so "
