@@ -81,3 +81,53 @@ def run_main(capsys, *argv) -> tuple[int, str, str]:
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# `eagle-fast` with a runner factory whose engine calls hold once a shard is in the manifest
+# (MODE "held": the test kills the run there) or fail after a few (MODE "fail"); on Ray it
+# travels to the workers by value. Run as `python driver.py MODE eagle-fast-args...`.
+HELD_DRIVER = r"""
+import json, sys, time
+import eagle_fast.pipeline.run as ex
+
+MODE = sys.argv[1]
+MANIFEST = sys.argv[sys.argv.index("--out") + 1] + "/manifest.json"
+_build = ex.default_runner_factory
+
+
+def shards_done():
+    try:
+        with open(MANIFEST) as f:
+            return len(json.load(f)["shards"])
+    except (OSError, ValueError, KeyError):
+        return 0  # not written yet
+
+
+class Runner:
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    calls = 0
+
+    def capture(self, seqs):
+        self.calls += 1
+        if MODE == "fail" and self.calls == 5:  # each worker's fifth call: after a shard or two
+            raise RuntimeError("engine died")
+        deadline = time.monotonic() + 300
+        while MODE == "held" and shards_done() >= 1:  # wait here, mid-run, for the kill
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test never killed the run")
+            time.sleep(0.05)
+        return self.runner.capture(seqs)
+
+
+ex.default_runner_factory = lambda *args, **kwargs: Runner(_build(*args, **kwargs))
+
+if __name__ == "__main__":
+    from eagle_fast.cli import main
+
+    sys.exit(main(sys.argv[2:]))
+"""

@@ -19,7 +19,7 @@ import sys
 import time
 
 import pytest
-from _pipeline import chat_lines, manifest_core, tree_digest, write_jsonl
+from _pipeline import HELD_DRIVER, chat_lines, manifest_core, tree_digest, write_jsonl
 
 from eagle_fast.errors import UserError
 from eagle_fast.loop.rows import read_rows
@@ -214,53 +214,12 @@ def test_regenerates_reader_takes_a_mix_and_its_rows_say_where_they_came_from(tw
     assert out["data_source"] == rows[1].source and out["source_line"] == rows[1].source_row
 
 
-_HELD = r"""
-import json, sys, time
-import eagle_fast.pipeline.run as ex
-
-MANIFEST = sys.argv[sys.argv.index("--out") + 1] + "/manifest.json"
-_build = ex.default_runner_factory
-
-
-def shards_done():
-    try:
-        with open(MANIFEST) as f:
-            return len(json.load(f)["shards"])
-    except (OSError, ValueError, KeyError):
-        return 0
-
-
-class Runner:
-    def __init__(self, runner):
-        self.runner = runner
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    def capture(self, seqs):
-        deadline = time.monotonic() + 300
-        while sys.argv[1] == "held" and shards_done() >= 2:  # wait here, mid-run, for the kill
-            if time.monotonic() > deadline:
-                raise RuntimeError("the test never killed the run")
-            time.sleep(0.05)
-        return self.runner.capture(seqs)
-
-
-ex.default_runner_factory = lambda *args, **kwargs: Runner(_build(*args, **kwargs))
-
-if __name__ == "__main__":
-    from eagle_fast.cli import main
-
-    sys.exit(main(sys.argv[2:]))
-"""
-
-
 def test_a_parquet_run_killed_mid_way_resumes_byte_identical(two_sources, tiny_llama, tmp_path):
     root, a, _ = two_sources
     chats = [json.loads(x) for x in a.read_text().splitlines()]
     data = _parquet(root / "all.parquet", chats, row_group_size=5)
     script = tmp_path / "held.py"
-    script.write_text(_HELD)
+    script.write_text(HELD_DRIVER)
 
     def argv(mode, out):
         return [sys.executable, str(script), mode, "extract", "--model", str(tiny_llama), "--data", str(data),
@@ -276,7 +235,7 @@ def test_a_parquet_run_killed_mid_way_resumes_byte_identical(two_sources, tiny_l
     try:
         while time.monotonic() < deadline and proc.poll() is None:
             try:
-                if len(json.loads((out / "manifest.json").read_text())["shards"]) >= 2:
+                if len(json.loads((out / "manifest.json").read_text())["shards"]) >= 1:
                     break
             except (OSError, ValueError, KeyError):
                 pass
@@ -287,7 +246,7 @@ def test_a_parquet_run_killed_mid_way_resumes_byte_identical(two_sources, tiny_l
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     m = json.loads((out / "manifest.json").read_text())
-    assert not m["complete"] and 2 <= len(m["shards"]) < m["num_shards"]
+    assert not m["complete"] and 1 <= len(m["shards"]) < m["num_shards"]
     again = subprocess.run(argv("fast", out), check=False, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert tree_digest(out, skip_manifest=True) == tree_digest(tmp_path / "ref", skip_manifest=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pipeline import manifest_core, mixed_jsonl, tree_digest
+from _pipeline import HELD_DRIVER, manifest_core, mixed_jsonl, tree_digest
 
 from eagle_fast.cli import main
 from eagle_fast.errors import UserError
@@ -192,56 +192,6 @@ def test_an_unreachable_cluster_is_refused_at_once(inputs, tiny_llama, tmp_path,
 
 # ------------------------------------------------------------------- the CLI, its own Ray
 
-# `eagle-fast` with a runner factory whose engine calls hold once a shard is in the manifest
-# (the driver is killed mid-run) or fail after a few (a failed run); it travels to the Ray
-# workers by value.
-_DRIVER = r"""
-import json, sys, time
-import eagle_fast.pipeline.run as ex
-
-MODE = sys.argv[1]
-MANIFEST = sys.argv[sys.argv.index("--out") + 1] + "/manifest.json"
-_build = ex.default_runner_factory
-
-
-def shards_done():
-    try:
-        with open(MANIFEST) as f:
-            return len(json.load(f)["shards"])
-    except (OSError, ValueError, KeyError):
-        return 0  # not written yet
-
-
-class Runner:
-    def __init__(self, runner):
-        self.runner = runner
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    calls = 0
-
-    def capture(self, seqs):
-        self.calls += 1
-        if MODE == "fail" and self.calls == 5:  # each worker's fifth call: after a shard or two
-            raise RuntimeError("engine died")
-        deadline = time.monotonic() + 300
-        while MODE == "held" and shards_done() >= 1:  # wait here, mid-run, for the kill
-            if time.monotonic() > deadline:
-                raise RuntimeError("the test never killed the run")
-            time.sleep(0.05)
-        return self.runner.capture(seqs)
-
-
-ex.default_runner_factory = lambda *args, **kwargs: Runner(_build(*args, **kwargs))
-
-if __name__ == "__main__":
-    from eagle_fast.cli import main
-
-    sys.exit(main(sys.argv[2:]))
-"""
-
-
 def _ray_processes(mark: str) -> list[str]:
     """Command lines of live processes that inherited our marker (Ray's included)."""
     found = []
@@ -263,7 +213,7 @@ def _none_left(mark: str, within: float = 30.0) -> None:
 
 def _cli(tmp_path: Path, mode: str, argv: list[str], mark: str, **kw) -> subprocess.Popen:
     script = tmp_path / "driver.py"
-    script.write_text(_DRIVER)
+    script.write_text(HELD_DRIVER)
     env = {**os.environ, "EAGLE_FAST_TEST_RUN": mark, "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen([sys.executable, str(script), mode, *argv, "--ray", "--ray-workers", "2"], env=env,

