@@ -33,7 +33,7 @@ from typing import Any
 
 from eagle_fast.errors import UserError
 from eagle_fast.hub import is_hub_id, resolve_data
-from eagle_fast.sources import count_rows, iter_rows, open_source
+from eagle_fast.sources import iter_rows, open_source, survey
 
 KNOWN_COLUMNS = ("messages", "conversations", "text", "input_ids", "loss_mask", "tools", "source_line")
 _NUM = r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?"
@@ -224,13 +224,13 @@ def draw(data: str | Path | DataSpec) -> Draw:
     """The rows `data` gives, in dataset order (module docstring)."""
     spec = DataSpec.of(data)
     opened = [open_source(s.path) for s in spec.sources]
-    rows = [count_rows(src) for src in opened]
+    rows, digests = zip(*(survey(src) for src in opened))  # one read of each source before the rows
     for s, r in zip(spec.sources, rows):
         if r == 0:
             raise UserError(f"--data {s.given} has no rows", "give it at least one row" + ("" if spec.plain else ", or drop it"))
     if spec.plain:
-        return Draw(opened, [None], opened[0].digest(), [{"rows": rows[0], "available": rows[0], "wanted": rows[0],
-                                                         "drawn": rows[0], "short": False}])
+        n = rows[0]
+        return Draw(opened, [None], digests[0], [{"rows": n, "available": n, "wanted": n, "drawn": n, "short": False}])
     available = [min(r, s.cap) if s.cap is not None else r for r, s in zip(rows, spec.sources)]
     weights = [s.weight if s.weight is not None else float(a) for s, a in zip(spec.sources, available)]
     if spec.max_samples is not None:
@@ -246,7 +246,7 @@ def draw(data: str | Path | DataSpec) -> Draw:
             for i, (r, n) in enumerate(zip(rows, counts))]
     info = [{"rows": r, "available": a, "wanted": w, "drawn": n, "short": n < w}
             for r, a, w, n in zip(rows, available, wanted, counts)]
-    return Draw(opened, keep, _digest(spec, [src.digest() for src in opened]), info)
+    return Draw(opened, keep, _digest(spec, list(digests)), info)
 
 
 def renamed(obj: Any, columns: tuple[tuple[str, str], ...]) -> Any:

@@ -3,7 +3,7 @@ directory of them, or a glob), or a directory `datasets` wrote with `save_to_dis
 
 `open_source(path)` finds the form and its files; `iter_rows(source, keep)` streams its rows
 (a jsonl line's bytes, for `inputs`' byte-level checks; a table's rows a batch at a time, each
-with the file and row an error names); `count_rows` counts them from metadata. A table's null
+with the file and row an error names); `survey` counts them (a table's metadata) and hashes them. A table's null
 fields are dropped from its rows (a column the row does not use), so every form of one row set
 gives the same records. `digest` hashes every file's bytes, in name order, with its name: what
 manifests record as the data's sha256. Several sources, their mix and column names: `mixing`.
@@ -51,18 +51,6 @@ def _file_sha256(f: Path):
     return h
 
 
-def jsonl_lines(src: Source) -> tuple[list[bytes], str]:
-    """A jsonl source's lines (bytes; the final newline ends the last line, it starts none) and
-    the file's sha256, read once; UserError for an empty file."""
-    data = src.files[0].read_bytes()
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    if not lines:
-        raise UserError(f"data file {src.files[0]} is empty", "give it one JSON object per line")
-    return lines, hashlib.sha256(data).hexdigest()
-
-
 def open_source(path: str | Path) -> Source:
     """The form of `path` and the files it reads (UserError when it is none of the forms)."""
     text = str(path)
@@ -95,15 +83,23 @@ def _starts_array(p: Path) -> bool:
     return head.startswith(b"[")
 
 
+def survey(src: Source) -> tuple[int, str]:
+    """(rows, digest) of `src`, reading a jsonl file once for both."""
+    if src.kind != "jsonl":
+        return count_rows(src), src.digest()
+    n, last, h = 0, b"\n", hashlib.sha256()
+    with open(src.files[0], "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+            n += chunk.count(b"\n")
+            last = chunk[-1:]
+    return n + (last != b"\n"), h.hexdigest()
+
+
 def count_rows(src: Source) -> int:
-    """How many rows `src` holds, without reading them (a table's metadata; a jsonl file's lines)."""
+    """How many rows `src` holds, without decoding them (a table's metadata; a jsonl file's lines)."""
     if src.kind == "jsonl":
-        n, last = 0, b"\n"
-        with open(src.files[0], "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                n += chunk.count(b"\n")
-                last = chunk[-1:]
-        return n + (last != b"\n")
+        return survey(src)[0]
     if src.kind == "json":
         return len(_json_array(src))
     if src.kind == "saved":
