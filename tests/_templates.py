@@ -96,6 +96,15 @@ def _edit(text: str, old: str, new: str) -> str:
     return text.replace(old, new)
 
 
+def _mark_after(t: str, head: str, start: str, end: str, after: str) -> str:
+    """`t` with what it writes between `start` and `end` (the text before `after`) captured, and
+    all of it after its first len(head) characters (the header) in a generation block."""
+    t = _edit(t, start, start + "{%- set body %}")
+    n = len(head)
+    return _edit(t, end + after, end + f"{{%- endset %}}{{{{- body[:{n}] }}}}{{%- generation %}}{{{{- body[{n}:] }}}}"
+                 "{%- endgeneration %}" + after)
+
+
 _QWEN_FULL = ("{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' "
               "+ content.lstrip('\\n') }}")
 _QWEN_PLAIN = "{{- '<|im_start|>' + message.role + '\\n' + content }}"
@@ -157,21 +166,14 @@ def oracle(name: str, *, keep_empty_think: bool = False, prompt_think: bool = Fa
                   "{%- if message['role'] == 'assistant' %}{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}"
                   "{%- endgeneration %}{%- else %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endif %}")
         # a call turn: everything after its header, through <|eot_id|> (or <|eom_id|>)
-        head = len("<|start_header_id|>assistant<|end_header_id|>\n\n")
-        t = _edit(t, "{%- set tool_call = message.tool_calls[0].function %}",
-                  "{%- set tool_call = message.tool_calls[0].function %}{%- set body %}")
-        return _edit(t, "        {%- endif %}\n    {%- elif message.role == \"tool\" or message.role == \"ipython\" %}",
-                     f"        {{%- endif %}}{{%- endset %}}{{{{- body[:{head}] }}}}{{%- generation %}}{{{{- body[{head}:] }}}}"
-                     "{%- endgeneration %}\n    {%- elif message.role == \"tool\" or message.role == \"ipython\" %}")
+        return _mark_after(t, "<|start_header_id|>assistant<|end_header_id|>\n\n",
+                           "{%- set tool_call = message.tool_calls[0].function %}",
+                           "        {%- endif %}", "\n    {%- elif message.role == \"tool\" or message.role == \"ipython\" %}")
     if name == "gpt_oss":
         # an assistant turn: all it writes after `<|start|>assistant`, the generation prompt (its
         # analysis, its call or final message, and the <|start|>assistant between them)
-        head = len("<|start|>assistant")
-        t = _edit(t, "    {%- if message.role == 'assistant' -%}\n",
-                  "    {%- if message.role == 'assistant' -%}{%- set body %}\n")
-        return _edit(t, "    {%- elif message.role == 'tool' -%}",
-                     f"    {{%- endset %}}{{{{- body[:{head}] }}}}{{%- generation %}}{{{{- body[{head}:] }}}}"
-                     "{%- endgeneration %}\n    {%- elif message.role == 'tool' -%}")
+        return _mark_after(t, "<|start|>assistant", "    {%- if message.role == 'assistant' -%}", "",
+                           "\n    {%- elif message.role == 'tool' -%}")
     raise KeyError(name)
 
 
