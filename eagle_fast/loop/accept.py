@@ -2,8 +2,8 @@
 counts it beside the target.
 
 Flow: check the settings and the draft's fit to the target (`drafts.check_draft`: refused
-before any engine starts, the mismatch named); read every line (`rows.read_rows`: a bad line is
-reported with its number, not fatal); make one prompt per row (`rows.record_prompt`: a
+before any engine starts, the mismatch named); stream the rows up to the N-th prompt
+(`rows.stream_rows`: a bad line is reported with its number, not fatal); make one prompt per row (`rows.record_prompt`: a
 conversation up to its last user turn, rendered with the chat template and its generation
 prompt); then one vLLM engine with `speculative_config={"method": "eagle3", ...}` generates an
 answer to every prompt, and the engine's own counters are read before and after. `accept_each`
