@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="NeMo AutoModel 0.7.0's remote-target server (point recipe_args.remote_urls "
                                    "at it); waiting requests are batched into one engine call.")
     p.add_argument("--model", required=True, help=MODEL_HELP)
+    g = p.add_argument_group("chat rendering (none here: NeMo's client sends the token ids and masks its dataset "
+                             "rendered, so set the template there)")
+    for flag in ("--chat-template", "--chat-template-kwargs"):
+        g.add_argument(flag, default=None, metavar="-", help="refused, with where to set it instead")
     add_revision(p)
     p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
                    help="vllm (default when installed and it can capture the model) or hf (transformers)")
@@ -298,6 +302,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     server is this process's one job, so this entry point sets two process-wide things before
     the engine is built: glibc returns freed memory (`return_freed_memory`), and a CPU server on
     transformers loads no Triton (`keep_triton_out`)."""
+    given = [f for f, v in (("--chat-template", a.chat_template), ("--chat-template-kwargs", a.chat_template_kwargs))
+             if v is not None]
+    if given:  # NeMo's client sends the input_ids and loss_mask its own dataset rendered
+        raise UserError(f"serve renders no chats, so {' and '.join(given)} would change nothing: NeMo's remote "
+                        "client sends the token ids and loss masks its dataset made",
+                        "set the template in the trainer's dataset (NeMo ChatDataset's chat_template, its "
+                        "template kwargs such as enable_thinking), the same ones given to extract and vocab")
     server = TargetServer(ServeConfig(
         model=resolve_model(a.model, a.revision).path, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers,
         host=a.host, port=a.port,

@@ -407,3 +407,14 @@ def test_an_eager_engine_compiles_nothing():
                      VLLMSettings(engine_args={"compilation_config": {"mode": 0}})):
         env = {}
         assert not es.eager_engine_env(settings, env) and env == {}
+
+
+@pytest.mark.parametrize("flag, value", [("--chat-template", "t.jinja"),
+                                         ("--chat-template-kwargs", '{"enable_thinking": false}')])
+def test_serve_refuses_chat_flags_naming_where_they_go(capsys, tiny_llama, flag, value):
+    """serve renders no chats (NeMo's remote client sends the ids and masks its dataset made), so a
+    template flag there would silently change nothing: it is refused before any engine starts, and
+    the fix names the trainer's dataset."""
+    code, _, err = run_main(capsys, "serve", "--model", tiny_llama, "--engine", "hf", flag, value)
+    assert code == 2
+    assert f"{flag} would change nothing" in err and "NeMo ChatDataset's chat_template" in err
