@@ -52,6 +52,11 @@ _ARCH_HEADS: dict[str, tuple[str, str | None, str | None]] = {
     "mixtral": (_RMS, None, None),
     "qwen2": (_RMS, None, None),
     "qwen2_moe": (_RMS, None, None),
+    # The Qwen-VL language models: plain RMSNorm heads (Qwen2_5_VLRMSNorm, Qwen3VLTextRMSNorm)
+    "qwen2_vl_text": (_RMS, None, None),
+    "qwen2_5_vl_text": (_RMS, None, None),
+    "qwen3_vl_text": (_RMS, None, None),
+    "qwen3_vl_moe_text": (_RMS, None, None),
     "qwen3": (_RMS, None, None),
     "qwen3_moe": (_RMS, None, None),
     "phi3": (_RMS, None, None),
@@ -105,6 +110,23 @@ def text_config(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
+def head_family_error(config: Any) -> str | None:
+    """Why the head rules of this config's family are unknown (None: known). The model type only,
+    so a config read from config.json without transformers' defaults is judged right."""
+    text = text_config(config)
+    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
+    if model_type in _ARCH_HEADS or getattr(config, "model_type", None) in _ARCH_HEADS:
+        return None
+    why = _UNSUPPORTED.get(model_type)
+    archs = getattr(config, "architectures", None)
+    if why is not None:
+        return f"TargetHead: model_type {model_type!r} ({archs}) is not supported: {why}."
+    return (f"TargetHead: unknown architecture model_type={model_type!r} ({archs}). Missing: the final "
+            "norm variant ('rms' or Gemma's 'rms_one_plus'), its logit scale and final softcap. "
+            f"Known: {sorted(_ARCH_HEADS)}. Pass overrides={{'norm': ..., 'eps': ..., "
+            "'logit_scale': ..., 'softcap': ...}} if you know them.")
+
+
 def head_spec_from_config(config: Any, overrides: Mapping[str, Any] | None = None) -> HeadSpec:
     """Derive the head's norm variant, eps, logit scale and softcap from an HF config.
 
@@ -122,18 +144,7 @@ def head_spec_from_config(config: Any, overrides: Mapping[str, Any] | None = Non
     model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
     arch = _ARCH_HEADS.get(model_type) or _ARCH_HEADS.get(getattr(config, "model_type", None))
     if arch is None and "norm" not in overrides:
-        why = _UNSUPPORTED.get(model_type)
-        archs = getattr(config, "architectures", None)
-        if why is not None:
-            raise ValueError(
-                f"TargetHead: model_type {model_type!r} ({archs}) is not supported: {why}."
-            )
-        raise ValueError(
-            f"TargetHead: unknown architecture model_type={model_type!r} ({archs}). Missing: the final "
-            "norm variant ('rms' or Gemma's 'rms_one_plus'), its logit scale and final softcap. "
-            f"Known: {sorted(_ARCH_HEADS)}. Pass overrides={{'norm': ..., 'eps': ..., "
-            "'logit_scale': ..., 'softcap': ...}} if you know them."
-        )
+        raise ValueError(head_family_error(config))
     norm, scale_rule, softcap_key = arch if arch is not None else (overrides["norm"], None, None)
 
     eps = overrides.get("eps")

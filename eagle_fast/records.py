@@ -74,6 +74,9 @@ def _tool_calls(path: str, line: int, i: int, calls: Any) -> list[dict]:
     return out
 
 
+_MEDIA = {"image", "image_url", "input_image", "video", "video_url", "audio", "input_audio"}
+
+
 def _text(path: str, line: int, i: int, key: str, content: Any) -> str | None:
     """A message's content as text: a string, or OpenAI text parts joined; None when absent."""
     if content is None or isinstance(content, str):
@@ -81,6 +84,11 @@ def _text(path: str, line: int, i: int, key: str, content: Any) -> str | None:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
+    media = sorted({p.get("type") for p in content if isinstance(p, dict)} & _MEDIA) if isinstance(content, list) else []
+    if media:
+        raise bad_line(path, line, f'message {i} has {" and ".join(media)} parts: eagle_fast extracts text chats '
+                       "only (its engines here run no vision tower)",
+                       "drop the line, or keep its text parts only (images are never supervised)")
     raise bad_line(path, line, f'message {i} has no string "{key}" (nor a list of text parts)',
                    f'give every message a "{key}" string')
 

