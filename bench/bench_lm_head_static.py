@@ -32,7 +32,7 @@ How the epilogue is delimited in the SASS
 
 Limits
     Needs triton (3.6-3.9) with its bundled ptxas and cuobjdump; ~15 s of one core per kernel.
-    No GPU ran these kernels: the projection in bench/RESULTS.md is arithmetic on these counts.
+    No GPU ran these kernels: the projection in bench/RESULTS-head-gpu.md is arithmetic on these counts.
 
 Usage
     python bench/bench_lm_head_static.py --baseline 7d69297 \

@@ -11,7 +11,7 @@ What it does
        pytest-benchmark collects and tabulates them and drives the head's and the runner's
        interleaved rounds; the ratios come from `_harness.SideBySide` (its docstring says why).
        Each module writes its own results JSON into bench/results/ (or --out) as it finishes.
-    2. bench/report.py turns every JSON there into bench/RESULTS.md and the plots.
+    2. bench/report.py turns every JSON there into bench/RESULTS.md, its subject pages and the plots.
     3. Prints every PASS/FAIL line from the fresh JSONs and the wall time.
 
 Design

@@ -141,7 +141,7 @@ def persistent_config(variant: Variant, n_rows: int, V: int, H: int, interpret: 
     # TMA load in flight. They run 128x128 on the same two warpgroups (m64n128k16, 64
     # accumulator registers), 4 stages = 128 KB: 0 B spilled (ptxas 13; triton 3.9 and 3.6),
     # for ~0.5 more SASS per logit on non-draft tiles (row reductions over half the columns)
-    # and ~1/3 more operand bytes per flop from L2. bench/RESULTS.md has the measurements.
+    # and ~1/3 more operand bytes per flop from L2. bench/RESULTS-head-gpu.md has the counts.
     if variant.draft or variant.softcap:
         return Config(128, 128, 64, 12, num_warps=8, num_stages=4)
     return replace(default_config(variant, n_rows, V, H, interpret), GROUP_SIZE=12)

@@ -22,7 +22,7 @@ every tile is then TMA-fed with no id lookup in the loads.
 Registers (`persistent_config`): argmax / lse run 128x256 tiles (128 accumulator registers
 per thread); the draft and softcap epilogues spilled beside that accumulator in every 128x256
 variant tried (softcap but on 2 stages), so they run 128x128 (64): 0 B spilled in every mode,
-at ~0.5 more SASS per logit on non-draft tiles (bench/RESULTS.md, the static report).
+at ~0.5 more SASS per logit on non-draft tiles (bench/RESULTS-head-gpu.md, the static report).
 Limits: modes lse / argmax / draft (with or without lse), optional scale and softcap, 16-bit
 weights whose rows are 16-byte multiples; everything else (logits, logprobs, top-k, draft
 top-k, fp32 weights) runs the tiled kernel (`supports`). No GPU has run it yet.
