@@ -41,7 +41,7 @@ CAPTURES = {  # model -> (tokens per engine call, capture ids, H)
     "qwen3-8b": (8192, 4, 4096),
     "llama-3-70b": (8192, 4, 8192),
 }
-# Projection inputs (one H200): dense bf16 GEMM rate (ARCHITECTURE.md), the share of it a prefill
+# Projection inputs (one H200): the dense bf16 GEMM rate assumed (docs/gpu.md), the share of it a prefill
 # reaches (an assumption, stated), and the head's time over its bare GEMM (not yet measured on a
 # GPU: the static estimate for draft+argmax).
 H200_BF16_FLOPS = 790e12

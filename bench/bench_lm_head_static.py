@@ -65,8 +65,9 @@ from eagle_fast.kernels._triton_config import Config, Variant
 
 N, H, V, VD, K = 8192, 4096, 151_936, 32_000, 64  # the issue's shape (Qwen3-8B, 32k draft)
 SMS = 132  # H100 / H200 SXM
-# The projection's machine: H200's measured bf16 GEMM rate (ARCHITECTURE.md), its boost clock,
-# and 4 warp schedulers per SM issuing one instruction per cycle each.
+# The projection's machine: the H200 dense bf16 GEMM rate the projections assume (docs/gpu.md;
+# no GPU run here measured it), its boost clock, and 4 warp schedulers per SM issuing one
+# instruction per cycle each.
 GEMM_TFLOPS, CLOCK_GHZ, ISSUE_PER_CYCLE = 790.0, 1.98, 4
 FIRST_PASS_ROUNDS, EXACT_ROUNDS = 8, 64  # top-k loop trips (`_TOPK_ROUNDS`; min(k, BLOCK_V))
 ROOT = Path(__file__).resolve().parents[1]

@@ -113,13 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto = the target dtype (default); fp8 = float8_e4m3fn with one fp32 scale per "
                         "token, about half of bf16's bytes (native and speculators formats; speculators' "
                         "layout quantizes the final slot its trainer computes targets from too: coarser "
-                        "targets, see README)")
+                        "targets, see docs/formats.md)")
     p.add_argument("--shard", default=None, metavar="I/N", help="this node's slice of N (merge with `eagle-fast merge`)")
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard file (default 256)")
     p.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators", "specforge"),
                    default="native",
                    help="on-disk layout (default native); nemo, speculators, specforge: read by that "
-                        "trainer's own offline loader (README: 'Training with ...')")
+                        "trainer's own offline loader (docs/formats.md)")
     p.add_argument("--no-engine-check", action="store_true",
                    help="skip the engine check (vLLM: before the first batch, log-probs rebuilt from the "
                         "captures of a few sequences are compared with the engine's own; a difference stops "

@@ -1,4 +1,4 @@
-"""The package's shape, as ARCHITECTURE.md promises it: stages without cycles, small files,
+"""The package's shape, as docs/design.md promises it: stages without cycles, small files,
 one copy of each shared piece, public seams between modules.
 
 The 500-line cap holds for bench/*.py too. The import graph counts imports inside functions too. Such imports are allowed only for heavy
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"vllm", "transformers", "tokenizers", "datasets", "pyarrow", "ray", "nemo_automodel", "triton"}
 LAZY_MODULES = {"eagle_fast.kernels.lm_head_triton": "needs triton, an optional engine"}
 MAX_LINES = 500
-# The stages in data-flow order (ARCHITECTURE.md). A module may import its own stage and the
+# The stages in data-flow order (docs/design.md). A module may import its own stage and the
 # stages before it, never one after it.
 STAGES = [
     ("foundation", ("eagle_fast", "eagle_fast.errors", "eagle_fast.dtypes", "eagle_fast.files", "eagle_fast.hub",
@@ -90,7 +90,7 @@ def _stage(module: str) -> int:
         for p in prefixes:
             if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
                 best = (i, len(p))
-    assert best is not None, f"{module} belongs to no stage: add it to STAGES and ARCHITECTURE.md"
+    assert best is not None, f"{module} belongs to no stage: add it to STAGES and docs/design.md"
     return best[0]
 
 

@@ -60,7 +60,7 @@ def one_thread():
     """Every engine in this module runs 1 torch thread, as each Ray worker here does (2 workers on
     2 CPUs). On AVX2, MKL's fp32 GEMM rounds some row counts (5, 9, 10, ...) differently with
     another thread count (measured on an AMD EPYC), so "the same bytes" is a promise for equal
-    thread counts (README, "Same bytes"), and the single-process runs here match the workers'."""
+    thread counts (docs/ray.md, "Same bytes"), and the single-process runs here match the workers'."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
