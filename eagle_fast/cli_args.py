@@ -43,6 +43,11 @@ def add_groups(p: argparse.ArgumentParser, *titles: str) -> list:
     return [p.add_argument_group(t) for t in titles]
 
 
+def add_verbose(p: argparse.ArgumentParser, default=False) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=default,
+                   help="show every library's warnings and logs (default: eagle-fast's only)")
+
+
 def add_model(g, help_text: str = "checkpoint directory, or Hugging Face Hub id ORG/NAME",
               required: bool = True) -> None:
     g.add_argument("--model", required=required, default=None, help=help_text)

@@ -1,5 +1,5 @@
 """`eagle-fast COMMAND --help`: every flag in a named group, each flag's help on one line at
-COLUMNS=120 (the details live in docs/)."""
+COLUMNS=120 (the details live in docs/), -v documented."""
 
 from __future__ import annotations
 
@@ -53,9 +53,9 @@ def sections(text: str) -> dict[str, list[str]]:
 def test_flags_sit_in_named_groups(capsys, command):
     found = sections(help_text(capsys, command))
     assert [t for t in found if t not in ("options", "positional arguments")] == GROUPS[command]
-    # only -h is left outside the groups
+    # only -h and -v are left outside the groups
     flags = [line.split()[0].rstrip(",") for line in found["options"] if line.startswith("  -")]
-    assert flags == ["-h"], found["options"]
+    assert flags == ["-h", "-v"], found["options"]
 
 
 @pytest.mark.parametrize("command", ["", *GROUPS])
@@ -75,3 +75,9 @@ def test_each_flags_help_is_one_short_line(capsys, command):
             else:
                 help_part = " ".join(re.split(r" {2,}", line.strip())[1:])
             assert len(help_part) <= MAX_HELP, f"{title}: help over {MAX_HELP} characters (details go to docs/):\n{line}"
+
+
+def test_verbose_is_documented(capsys):
+    text = help_text(capsys)
+    assert "-v, --verbose" in text and "-v (before or after the command)" in text
+    assert "-v, --verbose" in help_text(capsys, "extract")
