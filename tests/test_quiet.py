@@ -39,6 +39,8 @@ RECORD_SAMPLES = [
     ("vllm.platforms.cpu", "Reset SSM cache type to float32 for accelerated GDN mamba backend 'none'."),
     ("vllm.config.vllm", "Enforce eager set, disabling torch.compile, CUDAGraphs, and JIT kernel warmup."),
     ("vllm.config.vllm", "Inductor compilation was disabled by user settings, optimizations ... ignored."),
+    ("vllm.config.vllm", ("max_num_scheduled_tokens is set to 4096 based on the speculative decoding settings. "
+                         "This may lead to suboptimal performance. Consider increasing max_num_batched_tokens ...")),
     ("vllm.utils.ompmultiprocessing", ("Selected CPU core number (2) should be greater than reserved CPU core "
                                       "number (2).")),
     ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD. For best performance, ..."),
