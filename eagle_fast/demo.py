@@ -65,9 +65,6 @@ def build_demo_model(cache: Path) -> Path:
 
 def run_demo(engine: str = "auto", out: str | None = None, cache: str | None = None) -> int:
     t0 = time.perf_counter()
-    # Keep the demo's output readable: vLLM logs engine steps at INFO and a harmless
-    # "chat template warmup failed" traceback at WARNING (we pass token ids, no tokenizer).
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     root = cache_dir(cache)
     root.mkdir(parents=True, exist_ok=True)
     engine = resolve_engine(engine)

@@ -38,7 +38,7 @@ STAGES = [
     ("pipeline", ("eagle_fast.pipeline",)),
     ("serve", ("eagle_fast.serve",)),
     ("loop", ("eagle_fast.loop",)),
-    ("cli", ("eagle_fast.demo", "eagle_fast.cli_args", "eagle_fast.cli_loop", "eagle_fast.cli", "eagle_fast.__main__")),
+    ("cli", ("eagle_fast.quiet", "eagle_fast.demo", "eagle_fast.cli_args", "eagle_fast.cli_loop", "eagle_fast.cli", "eagle_fast.__main__")),
 ]
 
 
