@@ -33,7 +33,12 @@ from eagle_fast.pipeline.disk import DiskPlan, check_space, disk_plan
 from eagle_fast.pipeline.engine_setup import head_in_worker_settings
 from eagle_fast.pipeline.run import run_plan
 from eagle_fast.runners.engine_settings import VLLMSettings
-from eagle_fast.runners.factory import check_vllm_dtype, check_vllm_settings, resolve_target
+from eagle_fast.runners.factory import (
+    check_vllm_dtype,
+    check_vllm_settings,
+    choose_engine,
+    resolve_checkpoint,
+)
 from eagle_fast.store import make_layout, spec_to_json
 from eagle_fast.store.fp8 import check_aux_dtype
 from eagle_fast.store.layouts import KINDS, LAYOUTS, Layout, LayoutSpec, validate_layout_kind
@@ -117,12 +122,11 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
     dtype_name = resolve_dtype_name(cfg.model, cfg.dtype)
     _check_settings(cfg, dtype_name)
     part = parse_shard(cfg.shard)
-    target = resolve_target(cfg.model, engine=cfg.engine, dtype=dtype_name, aux_layers=cfg.aux_layers,
-                            max_len=cfg.max_len, vllm=cfg.vllm, engine_check=cfg.engine_check,
-                            source=cfg.model_source, require_weights=not dry_run)
+    ckpt = resolve_checkpoint(cfg.model, dtype=dtype_name, aux_layers=cfg.aux_layers, max_len=cfg.max_len,
+                              require_weights=not dry_run)
     if cfg.layout in ("speculators", "specforge"):  # both trainers' files hold the aux layers in ascending order
-        target = replace(target, aux_layer_ids=tuple(sorted(target.aux_layer_ids)))
-    info = target.info
+        ckpt = replace(ckpt, aux_layer_ids=tuple(sorted(ckpt.aux_layer_ids)))
+    info = ckpt.info
     draft = load_draft_vocab(cfg.draft_vocab, info.vocab_size) if cfg.draft_vocab else None
     kind = resolve_kind(cfg.supervision, cfg.layout, draft is not None)
     validate_layout_kind(cfg.layout, kind)
@@ -144,6 +148,7 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
         raise UserError(f"--draft-vocab only applies to --supervision draft / draft-topk (or --format "
                         f"nemo, speculators, specforge), not {kind}",
                         "drop --draft-vocab, or use --supervision draft")
+    target = choose_engine(ckpt, cfg.engine, cfg.vllm, cfg.engine_check, cfg.model_source)
     if target.engine == "vllm":
         check_vllm_dtype(info, target.dtype)
     tok = LazyTokenizer(cfg.model)

@@ -1,9 +1,9 @@
 """Which engine, which layers, and the runner built from them: the choices `extract` and
 `serve` share.
 
-`resolve_target` resolves the target once, into the frozen `TargetPlan` both commands run
-(model facts, engine, dtype, aux layers, --max-len, vLLM settings): `resolve_engine` picks vLLM
-or transformers (vLLM only where it can capture the model's family), `parse_aux_layers` reads
+`resolve_target` resolves the target once, into the frozen `TargetPlan` both commands run:
+the checkpoint (`resolve_checkpoint`: model facts, dtype, aux layers, --max-len), then the engine
+(`choose_engine`, with its vLLM settings): `resolve_engine` picks vLLM or transformers (vLLM only where it can capture the model's family), `parse_aux_layers` reads
 --aux-layers (EAGLE-3's default when absent). `check_vllm_settings` refuses vLLM settings before
 any engine starts; `default_runner_factory` builds the runner.
 Imports no engine: each is imported when its runner is built.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -175,33 +175,53 @@ def check_vllm_settings(settings: VLLMSettings, requested: str, engine: str, lon
 
 
 @dataclass(frozen=True)
-class TargetPlan:
-    """The target a command runs, resolved once (`resolve_target`); `extract` and `serve` share it."""
+class Checkpoint:
+    """The model a command runs, and the settings that depend on it alone (`resolve_checkpoint`)."""
 
     model: str                    # the checkpoint directory
     info: ModelInfo
-    requested: str                # --engine as given: auto | vllm | hf
-    engine: str                   # the one chosen: vllm | hf
     dtype_name: str               # bf16 | fp16 | fp32 (--dtype auto: the checkpoint's)
     dtype: torch.dtype
     aux_layer_ids: tuple[int, ...]
     max_len: int                  # --max-len, or the model's default
-    vllm: VLLMSettings = field(default_factory=VLLMSettings)
+
+
+@dataclass(frozen=True)
+class TargetPlan(Checkpoint):
+    """The checkpoint and the engine that runs it, resolved once (`resolve_target`); `extract` and
+    `serve` share it."""
+
+    requested: str                # --engine as given: auto | vllm | hf
+    engine: str                   # the one chosen (`resolve_engine`): vllm | hf
+    vllm: VLLMSettings
     engine_check: bool = True     # vLLM: captures against the engine's own log-probs first
     source: dict | None = None    # a Hub model's id, revision and commit (hub.ModelRef.describe)
 
 
-def resolve_target(model: str, *, engine: str = "auto", dtype: str = "auto", aux_layers: str | None = None,
-                   max_len: int | None = None, vllm: VLLMSettings | None = None, engine_check: bool = True,
-                   source: dict | None = None, require_weights: bool = True) -> TargetPlan:
-    """--model, --engine, --dtype, --aux-layers and --max-len checked and resolved against the
-    checkpoint's config (`require_weights=False`: a plan made before the weights are there)."""
+def resolve_checkpoint(model: str, *, dtype: str = "auto", aux_layers: str | None = None,
+                       max_len: int | None = None, require_weights: bool = True) -> Checkpoint:
+    """--model, --dtype, --aux-layers and --max-len checked and resolved against the checkpoint's
+    config (`require_weights=False`: a plan made before the weights are there)."""
     dtype_name = resolve_dtype_name(model, dtype)
     if dtype_name not in SHORT_NAMES:
         raise UserError(f"--dtype {dtype!r} is not one of auto, bf16, fp16, fp32", "pick one of them")
     info = load_model_info(model, require_weights)
     aux = parse_aux_layers(aux_layers, info.num_hidden_layers)
-    max_len = resolve_max_len(max_len, info.max_positions)
-    return TargetPlan(model=model, info=info, requested=engine, engine=resolve_engine(engine, info),
-                      dtype_name=dtype_name, dtype=SHORT_NAMES[dtype_name], aux_layer_ids=tuple(aux),
-                      max_len=max_len, vllm=vllm or VLLMSettings(), engine_check=engine_check, source=source)
+    return Checkpoint(model=model, info=info, dtype_name=dtype_name, dtype=SHORT_NAMES[dtype_name],
+                      aux_layer_ids=tuple(aux), max_len=resolve_max_len(max_len, info.max_positions))
+
+
+def choose_engine(checkpoint: Checkpoint, engine: str = "auto", vllm: VLLMSettings | None = None,
+                  engine_check: bool = True, source: dict | None = None) -> TargetPlan:
+    """`checkpoint` on the engine `--engine` resolves to for it (`resolve_engine`)."""
+    chosen = resolve_engine(engine, checkpoint.info)
+    return TargetPlan(**{f.name: getattr(checkpoint, f.name) for f in fields(Checkpoint)}, requested=engine,
+                      engine=chosen, vllm=vllm or VLLMSettings(), engine_check=engine_check, source=source)
+
+
+def resolve_target(model: str, *, engine: str = "auto", dtype: str = "auto", aux_layers: str | None = None,
+                   max_len: int | None = None, vllm: VLLMSettings | None = None, engine_check: bool = True,
+                   require_weights: bool = True) -> TargetPlan:
+    """`resolve_checkpoint` then `choose_engine`: the target as `serve` runs it."""
+    return choose_engine(resolve_checkpoint(model, dtype=dtype, aux_layers=aux_layers, max_len=max_len,
+                                            require_weights=require_weights), engine, vllm, engine_check)
