@@ -32,8 +32,23 @@ class DatasetDir:
 
     def __init__(self, plan: ExtractPlan):
         self.plan = plan
-        self.root = plan.root
         self.manifest = copy.deepcopy(plan.manifest)
+
+    def open(self) -> None:
+        """Before any engine starts: a killed run's temp files removed, the manifest written first
+        (so even a run killed now leaves a directory we recognise), then the sidecar files."""
+        clean_temps(self.plan)
+        self._write_manifest()
+        self._write_extra_files()
+        self._write_manifest()
+
+    def close(self, run: dict | None = None) -> None:
+        """The run's record (None: nothing ran) joins the manifest; the layout's extras follow once
+        the whole dataset is complete."""
+        if run is not None:
+            self.manifest["runs"].append(run)
+            self._write_manifest()
+        self._finalize()
 
     def committed(self) -> set[int]:
         """The shards complete on disk: the plan's and this run's."""
@@ -42,9 +57,9 @@ class DatasetDir:
     def record_shard(self, rec: dict) -> None:
         """A committed shard joins the manifest, which is rewritten (atomically) at once."""
         self.manifest["shards"].append(rec)
-        self.write_manifest()
+        self._write_manifest()
 
-    def write_manifest(self) -> None:
+    def _write_manifest(self) -> None:
         p, m = self.plan, self.manifest
         m["shards"] = sorted(m["shards"], key=lambda r: r["index"])
         owned = list(part_slice(len(p.shards), p.part))
@@ -60,7 +75,7 @@ class DatasetDir:
         else:
             atomic_write_json(p.root / name, m)
 
-    def write_extra_files(self) -> None:
+    def _write_extra_files(self) -> None:
         """Sidecar files written once per directory: the draft vocabulary (ours, and in the trainer's
         own format for speculators and SpecForge), NeMo's embeddings."""
         p = self.plan
@@ -83,7 +98,7 @@ class DatasetDir:
             extra.append(write_target_embeddings(p.root, p.target.model, tag=tag))
         self.manifest["extra_files"] = sorted(extra, key=lambda f: f["path"])
 
-    def finalize(self) -> None:
+    def _finalize(self) -> None:
         """Layout extras once the whole dataset (not a part) is complete."""
         p = self.plan
         if p.layout.name == "speculators" and p.part is None and self.manifest["complete"]:
@@ -107,7 +122,7 @@ def _part_tag(p: ExtractPlan) -> str:
 
 
 def _extra_file_names(p: ExtractPlan) -> list[str]:
-    """The sidecar files this directory gets (`DatasetDir.write_extra_files`)."""
+    """The sidecar files this directory gets (`DatasetDir._write_extra_files`)."""
     names = ["draft_vocab.safetensors", "target_embeddings.safetensors"]
     if p.draft_ids is not None and p.layout.name == "speculators":
         names += list(vocab_file_names(int(p.draft_ids.numel())))

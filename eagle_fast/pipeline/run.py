@@ -43,7 +43,7 @@ from eagle_fast.mixing import mix_lines
 from eagle_fast.pipeline.config import ExtractPlan, Summary, fmt_secs
 from eagle_fast.pipeline.disk import disk_full
 from eagle_fast.pipeline.engine_setup import build_runner, check_sequences, engine_check
-from eagle_fast.pipeline.prepare import DatasetDir, clean_temps
+from eagle_fast.pipeline.prepare import DatasetDir
 from eagle_fast.runners.factory import default_runner_factory
 from eagle_fast.store.dataset import keep_mass_stats
 from eagle_fast.store.layouts import Layout, LayoutSpec
@@ -324,13 +324,10 @@ def _run_in(out: DatasetDir, factory: Callable, pool, on_shard, t_start: float) 
     p = out.plan
     finished = False
     try:
-        clean_temps(p)
-        out.write_manifest()  # first, so even a run killed now leaves a directory we recognise
-        out.write_extra_files()
-        out.write_manifest()
+        out.open()
         summary = _summary(out)
         if not p.pending:
-            out.finalize()
+            out.close()
             summary.note = "nothing to do: every shard of this run is already complete"
             summary.seconds = time.perf_counter() - t_start
             return summary
@@ -346,14 +343,12 @@ def _run_in(out: DatasetDir, factory: Callable, pool, on_shard, t_start: float) 
     finally:
         if pool is not None:
             pool.close(graceful=finished)
-    out.manifest["runs"].append({
+    out.close({
         "tool_version": __version__, "engine": p.target.engine, "samples": pending_samples,
         "tokens": pending_tokens, "build_seconds": round(build_seconds, 3),
         "seconds": round(engine_seconds, 3), "tokens_per_second": round(pending_tokens / engine_seconds, 1)
         if engine_seconds > 0 else None, "finished_unix": int(time.time()), **run_info,
     })
-    out.write_manifest()
-    out.finalize()
     summary = _summary(out)
     summary.run_samples, summary.run_tokens = pending_samples, pending_tokens
     summary.engine_seconds, summary.build_seconds = engine_seconds, build_seconds
