@@ -111,18 +111,18 @@ class TargetServer:
         if self.engine_name == "vllm" and positions and self.max_len >= positions:
             raise UserError(f"--max-len {self.max_len}: vLLM needs one position beyond the longest row and this "
                             f"model has {positions}", f"pass --max-len {positions - 1}")
-        check_vllm_settings(cfg.vllm, cfg.engine, self.engine_name, self.max_len)
+        check_vllm_settings(resolved.vllm, resolved.requested, self.engine_name, self.max_len)
         # The default factory builds vLLM with the user's settings. Its steps keep vLLM's default
         # size (chunked prefill on: a few thousand tokens, never the model's context), smaller
         # than --max-batch-tokens' default (65536), which would only grow them.
-        factory = runner_factory or functools.partial(default_runner_factory, vllm=cfg.vllm)
+        factory = runner_factory or functools.partial(default_runner_factory, vllm=resolved.vllm)
 
         def build():
-            runner = factory(self.engine_name, cfg.model, self.dtype, self.max_len)
+            runner = factory(self.engine_name, resolved.model, self.dtype, self.max_len)
             try:
                 runner.set_aux_layers(self.aux_layer_ids)
                 self.engine_check = engine_check(runner, self.engine_name, check_rows(self.info.vocab_size),
-                                                 cfg.engine_check)
+                                                 resolved.engine_check)
             except BaseException:
                 runner.close()
                 raise
