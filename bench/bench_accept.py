@@ -130,8 +130,7 @@ def qwen3_bytes(opt: dict) -> int:
 
 
 def extract_source(model, data: Path, vocab: Path, out: Path, opt: dict, max_len: int) -> dict:
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
+    from eagle_fast import ExtractConfig, extract
 
     cfg = ExtractConfig(model=str(model), data=str(data), out=str(out), engine="hf", draft_vocab=str(vocab),
                         max_len=max_len, progress_tty=False, **opt)
@@ -227,8 +226,7 @@ def sources(model, target, work: Path, vocab: Path, train_plan, ids, mask, k: in
 def trainer_sources(model, work: Path, vocab: Path, max_len: int, only: set[str] | None) -> dict:
     """name -> (framework, dataset dir, record): the datasets speculators' and SpecForge's own
     training steps read (accept_trainers.py)."""
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
+    from eagle_fast import ExtractConfig, extract
 
     out = {}
     for name, (framework, opt) in TRAINER_SOURCES.items():

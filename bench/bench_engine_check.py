@@ -32,6 +32,7 @@ OPTIONS = [H.option("--rounds", type=int, default=3, help="timed interleaved rou
 
 
 def run(args) -> dict:
+    from eagle_fast import ExtractConfig, extract
     from eagle_fast.demo import (
         DEMO_DRAFT_VOCAB,
         DEMO_MAX_LEN,
@@ -39,8 +40,6 @@ def run(args) -> dict:
         cache_dir,
         demo_data_path,
     )
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
     from eagle_fast.runners.engine_settings import VLLMSettings, eager_engine_env
     from eagle_fast.vocab import build_vocab
 

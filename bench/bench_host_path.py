@@ -121,9 +121,8 @@ def host_path_case(model: str, rounds: int) -> dict:
 
 
 def pipeline_case(work: Path, samples: int, modes=("overlapped", "sequential")) -> dict:
+    from eagle_fast import ExtractConfig, extract
     from eagle_fast.demo import demo_data_path
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
     from eagle_fast.runners import _vllm_compat as compat
     from eagle_fast.runners.base import RunnerBase
     from eagle_fast.runners.vllm import VLLMTargetRunner

@@ -211,8 +211,7 @@ def fidelity(truth: Path, sparse: Path) -> dict:
 
 
 def _extract(model: Path, data: Path, vocab: Path, out: Path, opt: dict, max_len: int) -> dict:
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
+    from eagle_fast import ExtractConfig, extract
 
     cfg = ExtractConfig(model=str(model), data=str(data), out=str(out), engine="hf", draft_vocab=str(vocab),
                         max_len=max_len, progress_tty=False, **opt)

@@ -200,9 +200,8 @@ def compare(ours: Path, theirs: Path, n: int) -> dict:
 def run(args) -> dict:
     import accept as A
 
+    from eagle_fast import ExtractConfig, extract
     from eagle_fast.demo import cache_dir
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
     from eagle_fast.runners._vllm_compat import select_v1_runner
     from eagle_fast.tiny import build_trained_tiny, trained_tiny_dir
 

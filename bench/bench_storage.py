@@ -180,8 +180,7 @@ def run(args) -> dict:
 
 
 def _extract(model, data, vocab, work: Path, name: str, opt: dict) -> dict:
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
+    from eagle_fast import ExtractConfig, extract
 
     cfg = ExtractConfig(model=str(model), data=str(data), out=str(work / name), engine="hf", dtype="fp32",
                         draft_vocab=str(vocab), progress_tty=False, **opt)

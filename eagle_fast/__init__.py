@@ -22,8 +22,8 @@ _LAZY = {
     "VLLMTargetRunner": "eagle_fast.runners.vllm",
     "TargetHead": "eagle_fast.head",
     "Eagle3Dataset": "eagle_fast.store.dataset",
-    "ExtractConfig": "eagle_fast.pipeline.config",
-    "extract": "eagle_fast.pipeline.run",
+    "ExtractConfig": "eagle_fast.pipeline.plan",
+    "extract": "eagle_fast.pipeline.plan",
     "RayOptions": "eagle_fast.pipeline.distributed",
     "VLLMSettings": "eagle_fast.runners.engine_settings",
 }

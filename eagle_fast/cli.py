@@ -43,12 +43,10 @@ from eagle_fast.demo import run_demo
 from eagle_fast.errors import UserError
 from eagle_fast.hub import resolve_model
 from eagle_fast.memory import return_freed_memory
-from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.distributed import RayOptions
 from eagle_fast.pipeline.inspect import inspect_text, show_mask_text
 from eagle_fast.pipeline.merge import merge
-from eagle_fast.pipeline.plan import dry_run
-from eagle_fast.pipeline.run import extract
+from eagle_fast.pipeline.plan import ExtractConfig, dry_run, extract
 from eagle_fast.pipeline.verify import verify, verify_report
 from eagle_fast.quiet import quiet_cli
 from eagle_fast.runners.engine_settings import (
@@ -305,7 +303,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    return run_demo(engine=a.engine, out=a.out, cache=a.cache)
+    return run_demo(engine=a.engine, out=a.out, cache=a.cache,
+                    extract=lambda **settings: extract(ExtractConfig(**settings)))
 
 
 COMMANDS = {"extract": cmd_extract, "vocab": cmd_vocab, "verify": cmd_verify, "inspect": cmd_inspect,

@@ -23,10 +23,10 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from eagle_fast.pipeline.config import ExtractConfig
-from eagle_fast.pipeline.run import extract
+from eagle_fast.pipeline.config import Summary
 from eagle_fast.pipeline.verify import verify, verify_report
 from eagle_fast.runners.factory import resolve_engine
 from eagle_fast.store.manifest import MANIFEST_NAME
@@ -63,7 +63,10 @@ def build_demo_model(cache: Path) -> Path:
     return build_tiny_checkpoint(cache / "models" / f"demo-{spec.key()}", spec)
 
 
-def run_demo(engine: str = "auto", out: str | None = None, cache: str | None = None) -> int:
+def run_demo(engine: str = "auto", out: str | None = None, cache: str | None = None, *,
+             extract: Callable[..., Summary]) -> int:
+    """vocab, extract and verify on the demo's model and chats; `extract(**settings)` runs an
+    extraction with `ExtractConfig`'s settings (the CLI's: the one place that builds that config)."""
     t0 = time.perf_counter()
     root = cache_dir(cache)
     root.mkdir(parents=True, exist_ok=True)
@@ -83,10 +86,10 @@ def run_demo(engine: str = "auto", out: str | None = None, cache: str | None = N
     if out is None and dataset.exists() and (dataset / MANIFEST_NAME).exists():
         shutil.rmtree(dataset)  # the demo's own previous output: start fresh
     logger.info(f"[3/4] eagle-fast extract --engine {engine} --draft-vocab {vocab.name} --out {dataset}")
-    summary = extract(ExtractConfig(
+    summary = extract(
         model=str(model), data=str(data), out=str(dataset), engine=engine, supervision="draft",
         draft_vocab=str(vocab), max_len=DEMO_MAX_LEN, dtype="fp32", shard_size=100,
-    ))
+    )
 
     logger.info("[4/4] eagle-fast verify (recompute 8 random samples with transformers)")
     ok, reports, picks = verify(str(dataset), str(model), samples=8)

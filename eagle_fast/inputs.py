@@ -246,7 +246,7 @@ def resolve_max_len(max_len: int | None, max_positions: int | None) -> int:
     The default is min(DEFAULT_MAX_LEN, max_positions - 1): vLLM generates one token past the
     prompt, so default_runner_factory sizes its engine max_model_len = longest + 1, and that
     must fit the model. An explicit value may take every position (the hf engine runs it;
-    `prepare` refuses a vLLM run whose longest sample does).
+    `pipeline.plan.resolve` refuses a vLLM run whose longest sample does).
     """
     if max_len is None:
         return min(DEFAULT_MAX_LEN, int(max_positions) - 1) if max_positions else DEFAULT_MAX_LEN

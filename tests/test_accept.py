@@ -34,10 +34,8 @@ def _accept():
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    from eagle_fast import cli
+    from eagle_fast import ExtractConfig, cli, extract
     from eagle_fast.demo import cache_dir
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
     from eagle_fast.tiny import build_trained_tiny, trained_tiny_dir
 
     A = _accept()
@@ -108,9 +106,8 @@ def test_nemo_inputs_match_nemos_own_cache_reader_and_the_reference(sources):
 
 
 def test_nemo_inputs_refuses_a_dataset_without_a_draft_distribution(sources, tmp_path):
+    from eagle_fast import ExtractConfig, extract
     from eagle_fast.errors import UserError
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
     from eagle_fast.store.dataset import Eagle3Dataset
 
     data = sources["A"].write_jsonl(sources["A"].split_lines()[1][:4], tmp_path / "few.jsonl")

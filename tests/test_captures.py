@@ -181,8 +181,7 @@ def test_stream_runs_ahead_and_equals_captures(vllm_llama, monkeypatch):
 
 @vllm_only
 def test_overlapped_extraction_writes_the_same_bytes(vllm_llama, tiny_llama, tmp_path, monkeypatch):
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
+    from eagle_fast import ExtractConfig, extract
     from eagle_fast.runners.base import RunnerBase
 
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(12, start=40))

@@ -14,11 +14,9 @@ from _assert import assert_close, assert_ids_equal
 from _pipeline import chat_lines, write_jsonl
 from safetensors import safe_open
 
-from eagle_fast import Eagle3Dataset
+from eagle_fast import Eagle3Dataset, ExtractConfig, extract
 from eagle_fast.cli import main
 from eagle_fast.errors import UserError
-from eagle_fast.pipeline.config import ExtractConfig
-from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify
 from eagle_fast.store.fp8 import FP8, dequantize, error_bound, quantize
 

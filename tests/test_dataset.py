@@ -9,10 +9,8 @@ import pytest
 import torch
 from _pipeline import mixed_jsonl
 
-from eagle_fast import Eagle3Dataset
+from eagle_fast import Eagle3Dataset, ExtractConfig, extract
 from eagle_fast.errors import UserError
-from eagle_fast.pipeline.config import ExtractConfig
-from eagle_fast.pipeline.run import extract
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,10 @@ from pathlib import Path
 import pytest
 from _pipeline import mixed_jsonl, tree_digest
 
-from eagle_fast import cli
+from eagle_fast import ExtractConfig, cli, extract
 from eagle_fast.errors import UserError
-from eagle_fast.pipeline import plan as P
-from eagle_fast.pipeline.config import ExtractConfig
-from eagle_fast.pipeline.run import extract
+from eagle_fast.pipeline import disk as P
+from eagle_fast.pipeline.plan import dry_run, resolve
 from eagle_fast.store import safetensors as S
 from eagle_fast.vocab import build_vocab
 
@@ -55,7 +54,7 @@ def _written(root: Path) -> int:
 def test_dry_run_total_is_what_the_run_writes(tiny_llama, inputs, tmp_path, opts, bound):
     data, vocab = inputs
     cfg = _cfg(tiny_llama, data, tmp_path / "out", draft_vocab=str(vocab), **opts)
-    plan = P.dry_run(cfg)
+    plan = dry_run(cfg)
     assert not (tmp_path / "out").exists()  # a plan writes nothing
     extract(cfg)
     real = _written(tmp_path / "out")
@@ -66,7 +65,7 @@ def test_dry_run_total_is_what_the_run_writes(tiny_llama, inputs, tmp_path, opts
     else:
         assert abs(planned - real) <= 8 << 10, (planned, real)  # a few KB: header and file allowances
     # resumed, nothing is left to write
-    again = P.dry_run(cfg)
+    again = dry_run(cfg)
     assert again.pending_shards == 0 and again.pending_bytes <= P.MANIFEST_BYTES + 16 * 1024 * 4
 
 
@@ -135,10 +134,8 @@ def test_cli_dry_run_needs_no_weights(tiny_llama, inputs, tmp_path, capsys):
 
 
 def test_a_full_disk_is_found_through_chained_and_ray_causes(tiny_llama, inputs, tmp_path):
-    from eagle_fast.pipeline.prepare import prepare
-
     data, _ = inputs
-    p = prepare(_cfg(tiny_llama, data, tmp_path / "out", supervision="lse"))
+    p = resolve(_cfg(tiny_llama, data, tmp_path / "out", supervision="lse"))
 
     class RayTaskError(RuntimeError):  # as ray.exceptions.RayTaskError carries a worker's exception
         def __init__(self, cause):

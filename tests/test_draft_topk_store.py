@@ -17,8 +17,8 @@ from _pipeline import mixed_jsonl
 from safetensors import safe_open
 from test_extract import cfg_for
 
+from eagle_fast import extract
 from eagle_fast.errors import UserError
-from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify
 from eagle_fast.store.dataset import Eagle3Dataset
 from eagle_fast.store.layouts import draft_index_dtype

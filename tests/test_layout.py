@@ -12,6 +12,11 @@ imported (`m._x`, `Class._x`), or through any other object (`obj._x`) where `_x`
 in other modules of ours. Not caught: `getattr(obj, "_x")`; `obj._x` where this module also
 defines a `_x` of its own; a subclass reading its base class's `self._x`; third parties' private
 names; tests and benchmarks (not scanned).
+
+`extract`'s settings are resolved once: `ExtractConfig` is named only by the CLI, the plan module
+that owns it (`pipeline/plan.py`: its `resolve` makes the `ExtractPlan` every later stage takes)
+and the public API, which exports it by name; only the plan module's functions take one.
+Not caught: an object of the class reached without its name (`type(x)`, `getattr`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ STAGES = [
     ("loop", ("eagle_fast.loop",)),
     ("cli", ("eagle_fast.quiet", "eagle_fast.demo", "eagle_fast.cli_args", "eagle_fast.cli_loop", "eagle_fast.cli", "eagle_fast.__main__")),
 ]
+# The modules `ExtractConfig` reaches, and the one whose functions take it (see the docstring).
+CONFIG_NAMED_BY = {"eagle_fast.cli", "eagle_fast.pipeline.plan", "eagle_fast"}
+CONFIG_TAKEN_BY = {"eagle_fast.pipeline.plan"}
+MAX_CONFIG_FILES = 5
 
 
 def _modules() -> dict[str, Path]:
@@ -270,3 +279,46 @@ def test_the_private_name_check_sees_each_kind_of_crossing():
         "        self._x = other._x\n"  # its own private name, on another instance
     )
     assert list(_private_crossings("eagle_fast.kernels.reference", False, own, {"_x"})) == []
+
+
+# -- extract's settings reach the plan module, which resolves them once --------------------------
+def _config_uses(tree: ast.AST, name: str = "ExtractConfig") -> tuple[bool, bool]:
+    """(whether the module names `name`: imports it, or reads it as a name, an attribute or a
+    string, the public API's lazy export; whether one of its functions takes a `name` parameter)."""
+    named = taken = False
+    for node in ast.walk(tree):
+        named |= ((isinstance(node, ast.alias) and (node.asname or node.name).split(".")[-1] == name)
+                  or (isinstance(node, ast.Name) and node.id == name)
+                  or (isinstance(node, ast.Attribute) and node.attr == name)
+                  or (isinstance(node, ast.Constant) and node.value == name))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
+                if arg is not None and arg.annotation is not None and name in ast.unparse(arg.annotation):
+                    taken = True
+    return named, taken
+
+
+def test_extract_config_reaches_only_the_cli_the_plan_and_the_public_api():
+    uses = {m: _config_uses(ast.parse(p.read_text())) for m, p in MODULES.items()}
+    named = {m for m, (n, _) in uses.items() if n}
+    taken = {m for m, (_, t) in uses.items() if t}
+    assert named <= CONFIG_NAMED_BY, f"ExtractConfig named outside the CLI, the plan and the API: {named - CONFIG_NAMED_BY}"
+    assert taken <= CONFIG_TAKEN_BY, f"functions outside the plan module take an ExtractConfig: {taken - CONFIG_TAKEN_BY}"
+    assert len(named | taken) <= MAX_CONFIG_FILES, sorted(named | taken)
+    import eagle_fast
+
+    assert eagle_fast.ExtractConfig.__module__ == "eagle_fast.pipeline.plan"
+
+
+def test_the_config_check_sees_each_kind_of_use():
+    """The check above, on a module that names the config each way it claims to catch."""
+    cases = {
+        "from eagle_fast.pipeline.plan import ExtractConfig\n": (True, False),
+        "import eagle_fast\nx = eagle_fast.ExtractConfig\n": (True, False),
+        "_LAZY = {'ExtractConfig': 'eagle_fast.pipeline.plan'}\n": (True, False),
+        "def run(cfg: 'ExtractConfig | None', *, other: int) -> None: ...\n": (False, True),
+        "def run(plan: ExtractPlan) -> None: ...\n": (False, False),
+    }
+    for src, want in cases.items():
+        assert _config_uses(ast.parse(src)) == want, src

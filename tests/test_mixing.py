@@ -21,12 +21,11 @@ import time
 import pytest
 from _pipeline import HELD_DRIVER, chat_lines, manifest_core, tree_digest, write_jsonl
 
+from eagle_fast import ExtractConfig, extract
 from eagle_fast.errors import UserError
 from eagle_fast.loop.rows import read_rows
 from eagle_fast.loop.turns import passthrough
 from eagle_fast.mixing import DataSpec, draw, parse_columns, parse_source, resolve_spec, shares
-from eagle_fast.pipeline.config import ExtractConfig
-from eagle_fast.pipeline.run import extract
 from eagle_fast.records import read_data
 from eagle_fast.sources import BATCH_ROWS, count_rows, iter_rows, open_source
 

@@ -24,11 +24,10 @@ import pytest
 import torch
 from _pipeline import HELD_DRIVER, manifest_core, mixed_jsonl, tree_digest
 
+from eagle_fast import ExtractConfig, extract
 from eagle_fast.cli import main
 from eagle_fast.errors import UserError
-from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.distributed import RayOptions
-from eagle_fast.pipeline.run import extract
 from eagle_fast.runners.factory import default_runner_factory
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'eagle-fast[ray]')")

@@ -9,8 +9,8 @@ from _pipeline import mixed_jsonl
 pytest.importorskip("ray", reason="ray is not installed (pip install 'eagle-fast[ray]')")
 from test_ray import assert_same_dataset, cfg_for, local_ray, one_thread  # noqa: F401 - fixtures
 
+from eagle_fast import extract
 from eagle_fast.pipeline.distributed import RayOptions
-from eagle_fast.pipeline.run import extract
 from eagle_fast.store.dataset import Eagle3Dataset
 from eagle_fast.vocab import DraftVocab, save_draft_vocab
 

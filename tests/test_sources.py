@@ -13,10 +13,9 @@ import pytest
 import torch
 from _pipeline import mixed_jsonl, tree_digest
 
+from eagle_fast import ExtractConfig, extract
 from eagle_fast.errors import UserError
 from eagle_fast.loop.rows import read_rows
-from eagle_fast.pipeline.config import ExtractConfig
-from eagle_fast.pipeline.run import extract
 from eagle_fast.records import read_records
 from eagle_fast.sources import open_source
 from eagle_fast.vocab import build_vocab

@@ -161,8 +161,7 @@ def test_specforge_reads_trains_and_targets_equal_nemos(sf, tiny_llama, tmp_path
 
 
 def test_crashed_run_resumes_to_the_same_bytes(tmp_path, tiny_llama):
-    from eagle_fast.pipeline.config import ExtractConfig
-    from eagle_fast.pipeline.run import extract
+    from eagle_fast import ExtractConfig, extract
 
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(5))
 

@@ -10,10 +10,9 @@ import pytest
 import torch
 from _pipeline import chat_lines, write_jsonl
 
+from eagle_fast import ExtractConfig, extract
 from eagle_fast.files import read_safetensors_header
-from eagle_fast.pipeline.config import ExtractConfig
 from eagle_fast.pipeline.inspect import inspect_text
-from eagle_fast.pipeline.run import extract
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.layouts import KINDS, LayoutSpec
 from eagle_fast.store.manifest import read_manifest

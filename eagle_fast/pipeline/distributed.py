@@ -34,13 +34,13 @@ from eagle_fast.errors import UserError
 from eagle_fast.files import atomic_write_bytes
 from eagle_fast.hub import resolve_model
 from eagle_fast.inputs import ShardPlan, plan_batches
+from eagle_fast.pipeline.config import ExtractPlan
 from eagle_fast.pipeline.engine_setup import build_runner, check_sequences, engine_check
-from eagle_fast.pipeline.prepare import Prepared, clean_temps
+from eagle_fast.pipeline.prepare import DatasetDir, clean_temps
 from eagle_fast.pipeline.run import (
     ShardWriter,
     capture_batches,
     new_progress,
-    record_shard,
     supervise_batch,
 )
 from eagle_fast.runners.engine_settings import V1_RUNNER_ENV
@@ -86,7 +86,7 @@ class RayOptions:
     local_object_store_bytes: int = 128 << 20  # a local instance's; shards go to disk, not here
     startup_timeout_s: float = 600.0      # for the cluster to place and start every worker
 
-    def start(self, p: Prepared, factory) -> _Pool:
+    def start(self, p: ExtractPlan, factory) -> _Pool:
         """Connect to (or start) Ray, start the workers and probe OUT from each; nothing is written."""
         if self.workers is not None and self.workers < 1:
             raise UserError(f"--ray-workers must be at least 1, got {self.workers}", "pass e.g. --ray-workers 2")
@@ -279,17 +279,18 @@ class _Pool:
         self.actors: list = []
         self.where: dict[int, dict] = {}
         self.restarts = 0
-        self.p: Prepared | None = None
+        self.p: ExtractPlan | None = None
 
     # ---------------------------------------------------------------------- start-up
 
-    def launch(self, p: Prepared, factory) -> None:
+    def launch(self, p: ExtractPlan, factory) -> None:
         ray, opts = self.ray, self.opts
         self.p = p
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         gpus = int(ray.cluster_resources().get("GPU", 0))
         # On GPUs a worker's engine spans its tensor-parallel size; CPU workers hold no GPU.
-        tp = p.cfg.vllm.tensor_parallel_size if p.engine == "vllm" else 1
+        target = p.target
+        tp = target.vllm.tensor_parallel_size if target.engine == "vllm" else 1
         if gpus and tp > gpus:
             raise UserError(f"--tensor-parallel-size {tp} needs {tp} GPUs per Ray worker; the cluster has {gpus}",
                             f"pass --tensor-parallel-size {gpus} or less, or add GPU nodes")
@@ -300,10 +301,10 @@ class _Pool:
         node_cpus = [n["Resources"].get("CPU", 0) for n in nodes if n["Resources"].get("CPU", 0) > 0] or [1]
         cpus = opts.cpus_per_worker or (1 if gpus else max(1, min(sum(node_cpus) // wanted, min(node_cpus))))
         count = min(wanted, len(p.pending))
-        job = _Job(p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples), p.aux_layer_ids,
+        job = _Job(target.engine, target.model, target.dtype, p.longest, list(target.aux_layer_ids),
                    p.spec, str(Path(opts.worker_out or p.root).resolve()), p.draft_ids, p.spec.k,
-                   p.cfg.batch_tokens, p.cfg.queue_batches, None if gpus else max(1, int(cpus)), factory,
-                   check_sequences(p), p.cfg.engine_check, p.cfg.model_source)
+                   p.run.batch_tokens, p.run.queue_batches, None if gpus else max(1, int(cpus)), factory,
+                   check_sequences(p), target.engine_check, target.source)
         # The driver's engine-path choice (the CLI selects vLLM's V1 runner) reaches every worker,
         # also on nodes whose Ray was started without it.
         env = {k: os.environ[k] for k in V1_RUNNER_ENV if k in os.environ}
@@ -351,7 +352,7 @@ class _Pool:
 
     # ------------------------------------------------------------------------- the run
 
-    def run(self, p: Prepared, on_shard=None) -> tuple[float, float, dict]:
+    def run(self, out: DatasetDir, on_shard=None) -> tuple[float, float, dict]:
         """Every pending shard, committed and recorded; (build, loop) seconds and run stats."""
         t_build = time.perf_counter()
         checks = []
@@ -359,17 +360,17 @@ class _Pool:
             checks.append(w.pop("engine_check"))
             self.where[i] = w
         build_seconds = time.perf_counter() - t_build
-        progress = new_progress(p)
+        progress = new_progress(out.plan)
         t_loop = time.perf_counter()
         try:
-            self._loop(p, progress, on_shard)
+            self._loop(out, progress, on_shard)
         finally:
             progress.close()
         return build_seconds, time.perf_counter() - t_loop, {"engine_checks": checks, "ray_workers": len(self.actors),
                                                              "worker_restarts": self.restarts}
 
-    def _loop(self, p: Prepared, progress, on_shard) -> None:
-        ray = self.ray
+    def _loop(self, out: DatasetDir, progress, on_shard) -> None:
+        ray, p = self.ray, out.plan
         n = len(self.actors)
         queue = deque(p.pending)
         ready = [True] * n  # false from a death until the restarted actor answers a ping
@@ -417,7 +418,7 @@ class _Pool:
                 if reason is not None:
                     raise RuntimeError(f"worker {w} on node {reply['node']} committed shard {shard.index}, but "
                                        f"the driver sees: {reason}; {SHARED_FIX}")
-            record_shard(p, rec)
+            out.record_shard(rec)
             progress.update(rec["samples"], rec["tokens"], force=not queue and not flight)
             if on_shard is not None:
                 on_shard(shard.index)

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from eagle_fast.errors import UserError
-from eagle_fast.pipeline.config import ExtractConfig
-from eagle_fast.pipeline.prepare import Prepared
+from eagle_fast.pipeline.config import ExtractPlan
+from eagle_fast.store.layouts import Layout
 
 CHECK_SEQUENCES = 4  # of the run's first shard
 CHECK_TOKENS = 256  # of each: the check costs one prefill of at most 1,024 tokens
@@ -33,7 +32,7 @@ ABS_TOL = 1e-3
 REL_TOL = {torch.float32: 0.0, torch.bfloat16: 2.0**-5, torch.float16: 2.0**-8}
 
 
-def check_sequences(p: Prepared) -> list[list[int]]:
+def check_sequences(p: ExtractPlan) -> list[list[int]]:
     """The token prefixes the engine check runs: the first samples of the first pending shard."""
     if not p.pending:
         return []
@@ -94,24 +93,23 @@ def build_runner(factory: Callable, engine: str, model: str, dtype: torch.dtype,
     return runner
 
 
-def head_in_worker_settings(cfg: ExtractConfig, p: Prepared, ray: Any = None) -> dict | None:
-    """`set_worker_supervision`'s arguments for this run when `cfg.head_in_worker` asks for them
-    (else None); a UserError names what rules it out: another engine, Ray, or a layout that stores
+def head_in_worker_settings(engine: str, layout: Layout, draft_ids: torch.Tensor | None,
+                            on_ray: bool = False) -> dict:
+    """`set_worker_supervision`'s arguments for a run that asks for `--head-in-worker`; a
+    UserError names what rules it out: another engine, Ray (`on_ray`), or a layout that stores
     the final hidden state or no head output. The bytes rule is `enable_worker_supervision`'s."""
-    if not cfg.head_in_worker:
-        return None
-    layout = p.layout
-    problem = (f"the {p.engine} engine runs no vLLM worker" if p.engine != "vllm" else
-               "Ray workers build their runners without it" if ray is not None else
-               f"--supervision {p.kind} stores the final hidden state itself" if layout.needs_final_hidden()
-               else f"--supervision {p.kind} runs no head" if layout.head_outputs() is None else None)
+    kind = layout.spec.kind
+    problem = (f"the {engine} engine runs no vLLM worker" if engine != "vllm" else
+               "Ray workers build their runners without it" if on_ray else
+               f"--supervision {kind} stores the final hidden state itself" if layout.needs_final_hidden()
+               else f"--supervision {kind} runs no head" if layout.head_outputs() is None else None)
     if problem:
         raise UserError(f"--head-in-worker cannot work here: {problem}",
                         "drop --head-in-worker (head_in_worker=False): the file path runs the head here")
     ids = None
     if {"draft", "draft_topk"} & set(layout.head_outputs()):
-        ids = p.draft_ids if p.draft_ids is not None else torch.arange(layout.spec.vocab_size)
-    return {"outputs": layout.head_outputs(), "k": p.spec.k, "draft_ids": ids,
+        ids = draft_ids if draft_ids is not None else torch.arange(layout.spec.vocab_size)
+    return {"outputs": layout.head_outputs(), "k": layout.spec.k, "draft_ids": ids,
             "out_dtype": layout.head_out_dtype(), "fields": layout.head_fields()}
 
 

@@ -1,180 +1,373 @@
-"""The disk an extraction needs, known before the run: `extract --dry-run`, the space check, and
-a clear error when the disk fills anyway.
+"""An extraction's settings, checked and resolved once into the plan every later stage runs.
 
-- `disk_plan(p)`: from the prepared run alone (model config, tokenizer, inputs, layout; no
-  engine, no weights read): samples, tokens, bytes per token by field, the bytes the pending
-  shards will write (tensor data from the layout's declared fields, `store.sizes`, plus each
-  file's header allowance and the files beside the shards), what the seed's full fp32 logits
-  would take, the capture staging of one engine call, and the free space of `--out` and of the
-  capture directory. With `--keep-mass` the per-token k varies, so the figure is a bound (every
-  token at the cap k) and says so.
-- `check_space(p)`: a run whose pending bytes exceed the free space of `--out` is refused
-  before any engine starts, naming both figures and the ways out (`--no-space-check` skips it).
-- `disk_full(exc, p, committed)`: the UserError a full disk mid-run becomes: the file, the bytes
-  still to write, the fix; committed shards stay valid and the rerun resumes.
-Limits: free space is read once, up front; another writer can still fill the disk (hence
-`disk_full`). Filesystem block rounding is not counted (a few KiB per file).
+`ExtractConfig` is `extract`'s settings as given (the CLI's arguments, the Python API's
+dataclass). `resolve(cfg)` refuses a bad one with a UserError and returns the frozen
+`config.ExtractPlan`: the target (`runners.factory.resolve_target`, shared with `serve`), the
+layout, the draft vocabulary, the inputs read and tokenised, the shards, and the manifest a run
+starts from (fresh, or an existing directory's complete shards, whose settings must be this
+run's); for a run (not `--dry-run`) also the vLLM settings, `--head-in-worker` and the space on
+`--out`. `extract(cfg)` is `resolve` then `run.run_plan`; `dry_run(cfg)` is `resolve` then
+`disk.disk_plan`. Nothing after `resolve` checks a setting again.
 """
 
 from __future__ import annotations
 
-import errno
-import os
-import shutil
-import tempfile
-from dataclasses import dataclass, field
+import hashlib
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from eagle_fast import __version__
+from eagle_fast.chat import ChatFormat
+from eagle_fast.checkpoint import pad_token_id, resolve_dtype_name, special_token_ids
+from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
-from eagle_fast.mixing import DataSpec, mix_lines
-from eagle_fast.pipeline.config import ExtractConfig, fmt_bytes
-from eagle_fast.pipeline.prepare import Prepared, prepare
-from eagle_fast.runners.base import capture_plan
-from eagle_fast.store.sizes import bytes_per_token, field_sizes, tensor_bytes
+from eagle_fast.inputs import InputPlan, LazyTokenizer, ShardPlan, plan_inputs, plan_shards
+from eagle_fast.mixing import DataSpec
+from eagle_fast.pipeline.config import ExtractPlan, RunSettings, Summary
+from eagle_fast.pipeline.disk import DiskPlan, check_space, disk_plan
+from eagle_fast.pipeline.engine_setup import head_in_worker_settings
+from eagle_fast.pipeline.run import run_plan
+from eagle_fast.runners.engine_settings import VLLMSettings
+from eagle_fast.runners.factory import (
+    check_vllm_dtype,
+    check_vllm_settings,
+    choose_engine,
+    resolve_checkpoint,
+)
+from eagle_fast.store import make_layout, spec_to_json
+from eagle_fast.store.fp8 import check_aux_dtype
+from eagle_fast.store.layouts import KINDS, LAYOUTS, Layout, LayoutSpec, validate_layout_kind
+from eagle_fast.store.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    check_file_cheap,
+    diff_settings,
+    eagle_section,
+    list_part_manifests,
+    load_json,
+    manifest_name,
+    part_slice,
+)
+from eagle_fast.vocab import load_draft_vocab
 
-# A safetensors header: its length word, the metadata, then ~one JSON entry per tensor (name,
-# dtype, shape, offsets), space-padded to 8 bytes; these allowances hold the real ones here.
-HEADER_BASE, HEADER_PER_TENSOR = 128, 96
-MANIFEST_BYTES = 16 << 10  # the manifest and the small files beside the shards
-FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-SPACE_FIX = ("free space on that filesystem, pass another --out, store less per token (--aux-dtype fp8, "
-             "--supervision draft-topk --keep-mass 0.99), or split the run (--shard I/N on several "
-             "machines); --no-space-check runs anyway")
+# Formats whose trainer reads the draft vocabulary from the dataset directory, so --draft-vocab
+# applies to them whatever they store (nemo: selected_token_ids; speculators: d2t/t2d .npy;
+# specforge: its vocab mapping file).
+TRAINER_VOCAB_LAYOUTS = ("nemo", "speculators", "specforge")
 
 
 @dataclass
-class DiskPlan:
-    samples: int
-    tokens: int
-    tokens_before_max_len: int
-    shards: int
-    pending_shards: int
-    by_field: dict[str, float]          # bytes per token (nemo: per padded position)
-    pending_bytes: int                  # what this run will write
-    bound: bool                         # --keep-mass: every token at the cap k
-    seed_logits_bytes: int              # the seed's fp32 [tokens, vocab] logits
-    staging_bytes: int                  # one engine call's captures (vLLM)
-    out_dir: str
-    out_free: int | None
-    capture_dir: str | None
-    capture_free: int | None
-    notes: list[str] = field(default_factory=list)
+class ExtractConfig:
+    """`eagle-fast extract`'s settings as given (see the CLI for each one's meaning)."""
 
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-    def text(self) -> str:
-        per = sum(self.by_field.values())
-        lines = [(f"plan: {self.samples:,} samples, {self.tokens:,} tokens ({self.tokens_before_max_len:,} before "
-                 f"--max-len) in {self.shards} shards; this run writes {self.pending_shards}"),
-                 f"  on disk: {fmt_bytes(self.pending_bytes)}" + (" at most (--keep-mass: every token at the cap k)"
-                                                                    if self.bound else ""),
-                 f"  per token: {per:,.0f} B = " + " + ".join(f"{k} {v:,.0f}" for k, v in self.by_field.items()),
-                 (f"  the seed's full fp32 logits for the same tokens: {fmt_bytes(self.seed_logits_bytes)} "
-                 f"({self.seed_logits_bytes / max(self.pending_bytes, 1):,.1f}x this run's bytes)"),
-                 f"  capture staging per engine call: {fmt_bytes(self.staging_bytes)}"
-                 + (f" in {self.capture_dir} ({fmt_bytes(self.capture_free)} free)" if self.capture_dir else ""),
-                 f"  --out {self.out_dir}: " + (f"{fmt_bytes(self.out_free)} free" if self.out_free is not None
-                                                 else "free space unknown")]
-        return "\n".join(lines + [f"  {n}" for n in self.notes])
+    model: str
+    data: str | DataSpec  # one file (as given), or the sources and their draw (`mixing`)
+    out: str
+    engine: str = "auto"
+    aux_layers: str | None = None
+    supervision: str | None = None
+    k: int = 64
+    keep_mass: float | None = None  # draft-topk: the fewest ids per token holding this mass, at most k
+    draft_vocab: str | None = None
+    max_len: int | None = None   # None: resolve_max_len's default for the model
+    overlong: str = "truncate"
+    batch_tokens: int = 16384
+    dtype: str = "auto"       # bf16 | fp16 | fp32 | auto (the checkpoint's)
+    out_dtype: str = "fp32"
+    aux_dtype: str = "auto"   # stored hidden states: auto (the target dtype) | fp8 (store/fp8.py)
+    shard: str | None = None
+    shard_size: int = 256
+    layout: str = "native"
+    queue_batches: int = 2
+    progress_tty: bool | None = None
+    head_in_worker: bool = False  # vllm-cpu: the head runs in the engine's worker (engine_setup.py)
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)  # engine settings (vllm engine only)
+    chat: ChatFormat = field(default_factory=ChatFormat)  # how chat lines render and mask
+    engine_check: bool = True  # vLLM: captures against the engine's own log-probs first (engine_setup.py)
+    space_check: bool = True  # refuse up front when the pending bytes exceed --out's free space (disk.py)
+    model_source: dict | None = None  # a Hub model's id, revision and commit (hub.ModelRef.describe)
 
 
-def free_space(path: str | os.PathLike) -> tuple[str, int | None]:
-    """(the nearest existing directory at or above `path`, its free bytes; None if unreadable)."""
-    p = Path(path).resolve()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    try:
-        return str(p), shutil.disk_usage(p).free
-    except OSError:
-        return str(p), None
+def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
+            on_shard: Callable[[int], None] | None = None, ray: Any = None) -> Summary:
+    """Run (or resume) an extraction; returns the summary. Raises UserError for user mistakes.
 
-
-def _capture_dir(p: Prepared) -> str | None:
-    if p.engine != "vllm":
-        return None
-    return p.cfg.vllm.capture_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-
-
-def _extra_bytes(p: Prepared) -> int:
-    """The files beside the shards: NeMo's fp32 target embeddings, the draft vocabulary files."""
-    extra = MANIFEST_BYTES
-    fresh = not p.manifest.get("extra_files")
-    if p.cfg.layout == "nemo" and fresh:
-        extra += 4 * p.info.vocab_size * p.info.hidden_size
-    if p.cfg.layout == "speculators" and fresh:  # its Arrow table of every sample's ids and mask
-        extra += 12 * p.plan.tokens + 24 * len(p.plan.samples) + (3 << 10)
-    if p.draft_ids is not None:  # the draft vocabulary's files: int64 ids (or d2t offsets), a bool t2d
-        extra += 8 * p.spec.draft_size + p.info.vocab_size + 2 * (HEADER_BASE + HEADER_PER_TENSOR)
-    return extra
-
-
-def shard_bytes(p: Prepared, shards: list) -> int:
-    """The bytes `shards` write: the layout's declared fields (`store.sizes`) and each file's
-    header allowance (native, nemo: a file per shard; the others: a file per sample)."""
-    sizes = field_sizes(p.layout)
-    tokens, samples = sum(s.tokens for s in shards), sum(len(s.samples) for s in shards)
-    data = tensor_bytes(sizes, tokens, samples, shards=len(shards), positions=samples * p.spec.max_len)
-    files = len(shards) if p.cfg.layout in ("native", "nemo") else samples
-    return int(data + (HEADER_BASE + HEADER_PER_TENSOR * len(sizes)) * files)
-
-
-def disk_plan(p: Prepared) -> DiskPlan:
-    sizes = field_sizes(p.layout)
-    tokens = sum(s.tokens for s in p.pending)
-    pending = shard_bytes(p, p.pending) + _extra_bytes(p)
-    capture_ids, _, _ = capture_plan(p.aux_layer_ids, p.info.num_hidden_layers)
-    step = max(min(p.cfg.batch_tokens, tokens), max((s.length for s in p.pending[0].samples), default=0)
-               if p.pending else 0)  # a call holds --batch-tokens, or one longer sample whole
-    staging = step * len(capture_ids) * p.info.hidden_size * p.dtype.itemsize if p.engine == "vllm" else 0
-    out_dir, out_free = free_space(p.root)
-    cap = _capture_dir(p)
-    cap_free = free_space(cap)[1] if cap else None
-    notes = [f"--data {line}" for line in mix_lines(DataSpec.of(p.cfg.data), p.plan.sources or [])]
-    if p.cfg.layout not in ("native", "nemo"):
-        notes.append(f"--format {p.cfg.layout}: one file per sample, each with its header allowance counted")
-    if p.plan.truncated or p.plan.skipped:
-        notes.append(f"--max-len {p.cfg.max_len}: {p.plan.truncated:,} samples truncated, {p.plan.skipped:,} skipped "
-                     f"(--overlong {p.cfg.overlong})")
-    return DiskPlan(
-        samples=len(p.plan.samples), tokens=p.plan.tokens, tokens_before_max_len=p.plan.tokens_read,
-        shards=len(p.shards),
-        pending_shards=len(p.pending), by_field=bytes_per_token(sizes), pending_bytes=int(pending),
-        bound=p.layout.spec.keep_mass > 0, seed_logits_bytes=4 * p.info.vocab_size * tokens,
-        staging_bytes=int(staging), out_dir=out_dir, out_free=out_free, capture_dir=cap, capture_free=cap_free,
-        notes=notes)
-
-
-def check_space(plan: DiskPlan) -> None:
-    """Refuse a run whose pending bytes do not fit the free space of --out."""
-    if plan.out_free is not None and plan.pending_bytes > plan.out_free:
-        raise UserError(f"this run writes {fmt_bytes(plan.pending_bytes)}"
-                        + (" (at most: --keep-mass)" if plan.bound else "")
-                        + f" and {plan.out_dir} has {fmt_bytes(plan.out_free)} free", SPACE_FIX)
-
-
-def disk_full(exc: BaseException, p: Prepared, committed: set[int]) -> UserError | None:
-    """The UserError for a write that hit a full disk (anywhere in `exc`'s causes), else None."""
-    err: BaseException | None = exc
-    seen: set[int] = set()  # a chain can loop (a Ray error's `cause` whose context is that error)
-    while err is not None and id(err) not in seen and not (isinstance(err, OSError) and err.errno in FULL_ERRNOS):
-        seen.add(id(err))
-        # chained causes, and a Ray worker's exception as its RayTaskError carries it (`cause`)
-        ray_cause = getattr(err, "cause", None)  # (UserError's `cause` is its text, not an exception)
-        err = err.__cause__ or err.__context__ or (ray_cause if isinstance(ray_cause, BaseException) else None)
-    if err is None or not (isinstance(err, OSError) and err.errno in FULL_ERRNOS):
-        return None
-    left = [s for s in p.pending if s.index not in committed]
-    need = shard_bytes(p, left)
-    where = err.filename or p.root
-    return UserError(f"the disk filled while writing {where} ({err.strerror}): {len(left)} shards, about "
-                     f"{fmt_bytes(need)}, are still to be written; the {len(committed)} shards committed so far "
-                     "are complete", "free space (or pass --out on a larger filesystem after moving the "
-                     "directory there), then re-run the same command: it resumes from the shards committed")
+    `runner_factory(engine, model, dtype, max_len)`: builds the runner (default: vLLM with
+    `cfg.vllm`, or transformers); a custom one takes no `cfg.vllm`.
+    `ray`: a `pipeline.distributed.RayOptions` to run the pending shards on Ray actors instead
+    of in this process; the shards and the manifest (but for its `runs` statistics) come out the
+    same either way, and either kind of run resumes the other's. `on_shard(index)` is called
+    once each shard is computed (here) or committed (on Ray).
+    """
+    t_start = time.perf_counter()
+    return run_plan(resolve(cfg, on_ray=ray is not None), runner_factory, on_shard, ray, t_start)
 
 
 def dry_run(cfg: ExtractConfig) -> DiskPlan:
     """`extract --dry-run`: the plan of `cfg` (a resume: of what is still to write), from the
     model's config and tokenizer and the inputs; no engine, no weights, nothing written."""
-    return disk_plan(prepare(cfg, require_weights=False))
+    return disk_plan(resolve(cfg, dry_run=True))
+
+
+def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) -> ExtractPlan:
+    """Check every setting and resolve them against the model, the inputs and `--out`
+    (`dry_run`: a plan only; the weights need not be there yet, and what only a run needs is
+    not checked; `on_ray`: the pending shards go to Ray actors)."""
+    dtype_name = resolve_dtype_name(cfg.model, cfg.dtype)
+    _check_settings(cfg, dtype_name)
+    part = parse_shard(cfg.shard)
+    ckpt = resolve_checkpoint(cfg.model, dtype=dtype_name, aux_layers=cfg.aux_layers, max_len=cfg.max_len,
+                              require_weights=not dry_run)
+    if cfg.layout in ("speculators", "specforge"):  # both trainers' files hold the aux layers in ascending order
+        ckpt = replace(ckpt, aux_layer_ids=tuple(sorted(ckpt.aux_layer_ids)))
+    info = ckpt.info
+    draft = load_draft_vocab(cfg.draft_vocab, info.vocab_size) if cfg.draft_vocab else None
+    kind = resolve_kind(cfg.supervision, cfg.layout, draft is not None)
+    validate_layout_kind(cfg.layout, kind)
+    if kind in ("draft", "draft-topk") and draft is None and cfg.layout == "native":
+        raise UserError(f"--supervision {kind} needs a draft vocabulary",
+                        "create one with `eagle-fast vocab --data FILE --model PATH --size 32000 --out "
+                        "vocab.pt` and pass --draft-vocab vocab.pt")
+    if kind == "topk" and not 1 <= cfg.k <= (draft.size if (draft is not None and cfg.layout == "nemo")
+                                             else info.vocab_size):
+        raise UserError(f"--k {cfg.k} is out of range for this vocabulary", "pass 1 <= k <= vocab size")
+    if kind == "draft-topk" and draft is not None and not 1 <= cfg.k <= draft.size:
+        raise UserError(f"--k {cfg.k} is out of range for the draft vocabulary of {draft.size} ids "
+                        f"({cfg.draft_vocab})", f"pass 1 <= k <= {draft.size}")
+    if cfg.keep_mass is not None and (kind != "draft-topk" or cfg.layout != "native"):
+        raise UserError(f"--keep-mass applies to --supervision draft-topk in the native format, not "
+                        f"--supervision {kind} (--format {cfg.layout})",
+                        "add --supervision draft-topk --draft-vocab FILE, or drop --keep-mass")
+    if draft is not None and not (kind in ("draft", "draft-topk") or cfg.layout in TRAINER_VOCAB_LAYOUTS):
+        raise UserError(f"--draft-vocab only applies to --supervision draft / draft-topk (or --format "
+                        f"nemo, speculators, specforge), not {kind}",
+                        "drop --draft-vocab, or use --supervision draft")
+    target = choose_engine(ckpt, cfg.engine, cfg.vllm, cfg.engine_check, cfg.model_source)
+    if target.engine == "vllm":
+        check_vllm_dtype(info, target.dtype)
+    tok = LazyTokenizer(cfg.model)
+    inputs = plan_inputs(cfg.data, tok, info.vocab_size, max_len=target.max_len, overlong=cfg.overlong,
+                         chat=cfg.chat)
+    data = DataSpec.of(cfg.data)
+    longest = max(s.length for s in inputs.samples)
+    if target.engine == "vllm" and info.max_positions and longest >= info.max_positions:
+        raise UserError(f"a sample has {longest} tokens; vLLM needs one position beyond the longest prompt "
+                        f"and this model has {info.max_positions}", f"pass --max-len {info.max_positions - 1}")
+    shards = plan_shards(inputs.samples, cfg.shard_size)
+    pad_id = pad_token_id(special_token_ids(info.config_token_ids, tok))
+    spec = LayoutSpec(
+        layout=cfg.layout, kind=kind, k=cfg.k if kind in ("topk", "draft-topk") else 0, hidden_size=info.hidden_size,
+        num_aux=3, vocab_size=info.vocab_size,
+        draft_size=draft.size if draft is not None else info.vocab_size,
+        dtype=target.dtype, out_dtype=SHORT_NAMES[cfg.out_dtype], max_len=target.max_len, pad_token_id=int(pad_id),
+        aux_dtype=cfg.aux_dtype, keep_mass=cfg.keep_mass or 0.0,
+    )
+    layout = make_layout(spec)
+    draft_ids = draft.ids if draft is not None else None
+    settings = {
+        "layout": cfg.layout,
+        "model": dict(info.identity),
+        "data_sha256": inputs.data_sha256,
+        "engine": target.engine,
+        "dtype": target.dtype_name,
+        "out_dtype": cfg.out_dtype if cfg.layout == "native" and kind != "hidden" else None,
+        "aux_layer_ids": list(target.aux_layer_ids),
+        "supervision": kind,
+        "k": spec.k,
+        "draft_vocab_sha256": hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest() if draft_ids is not None
+        else None,
+        "max_len": target.max_len,
+        "overlong": cfg.overlong,
+        "shard_size": cfg.shard_size,
+    }
+    if cfg.aux_dtype != "auto":  # absent for auto, so those manifests stay as they always were
+        settings["aux_dtype"] = cfg.aux_dtype
+    if cfg.keep_mass is not None:  # likewise absent for a fixed k
+        settings["keep_mass"] = cfg.keep_mass
+    if inputs.chats:  # how chat masks were made; absent without chat lines (nothing was masked)
+        settings["masks"] = cfg.chat.describe(tok.get())
+    quantization = cfg.vllm.merged().get("quantization") if target.engine == "vllm" else None
+    if quantization:  # another target's outputs: never mixed on resume; absent when unquantized
+        settings["quantization"] = quantization
+    root = Path(cfg.out)
+    manifest = _initial_manifest(target, data, inputs, shards, part, layout, settings, draft_ids)
+    existing = _existing_manifest(root, part, settings, cfg.shard)
+    done: dict[int, dict] = {}
+    if existing is not None:
+        for rec in existing.get("shards", []):
+            g = int(rec["index"])
+            if g >= len(shards) or g not in part_slice(len(shards), part):
+                continue
+            if all(check_file_cheap(root, f) is None for f in rec["files"]):
+                done[g] = rec
+        manifest["runs"] = list(existing.get("runs", []))
+        manifest["extra_files"] = existing.get("extra_files", [])
+    manifest["shards"] = [done[g] for g in sorted(done)]
+    pending = tuple(s for s in (shards[g] for g in part_slice(len(shards), part)) if s.index not in done)
+    worker = None
+    if not dry_run:  # what only a run needs: the engine's settings, the head's place, the space
+        check_vllm_settings(cfg.vllm, cfg.engine, target.engine, max((s.length for s in inputs.samples), default=1),
+                            cfg.batch_tokens)
+        if cfg.head_in_worker:
+            worker = head_in_worker_settings(target.engine, layout, draft_ids, on_ray and bool(pending))
+    plan = ExtractPlan(target=target, layout=layout, draft_ids=draft_ids, data=data, inputs=inputs,
+                       shards=tuple(shards), part=part, pending=pending, root=root, manifest=manifest,
+                       run=RunSettings(batch_tokens=cfg.batch_tokens, queue_batches=cfg.queue_batches,
+                                       progress_tty=cfg.progress_tty, worker_supervision=worker))
+    if not dry_run and cfg.space_check and pending:
+        check_space(disk_plan(plan))  # the bytes still to write against --out's free space
+    return plan
+
+
+def _check_settings(cfg: ExtractConfig, dtype_name: str) -> None:
+    """The settings that need no model: their values alone (`dtype_name`: --dtype resolved)."""
+    if cfg.layout not in LAYOUTS:
+        raise UserError(f"--format {cfg.layout!r} is not one of {', '.join(LAYOUTS)}", "pick one of them")
+    check_aux_dtype(cfg.layout, cfg.aux_dtype)
+    if cfg.keep_mass is not None and not (math.isfinite(cfg.keep_mass) and 0 < cfg.keep_mass < 1):
+        raise UserError(f"--keep-mass {cfg.keep_mass} is not a share of the draft mass strictly between 0 and 1",
+                        "pass e.g. --keep-mass 0.99 (or leave it out to keep --k ids on every token)")
+    for name, value in (("--dtype", dtype_name), ("--out-dtype", cfg.out_dtype)):
+        if value not in SHORT_NAMES:
+            raise UserError(f"{name} {value!r} is not one of bf16, fp16, fp32", "pick one of them")
+    if cfg.batch_tokens < 1:
+        raise UserError(f"--batch-tokens must be positive, got {cfg.batch_tokens}", "pass e.g. --batch-tokens 16384")
+    if cfg.shard_size < 1:
+        raise UserError(f"--shard-size must be positive, got {cfg.shard_size}", "pass e.g. --shard-size 256")
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory", "pass a new or existing directory")
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m:
+        raise UserError(f"--shard {text!r} is not of the form I/N", "pass e.g. --shard 0/4 on the first of 4 nodes")
+    index, count = int(m.group(1)), int(m.group(2))
+    if count < 1 or not 0 <= index < count:
+        raise UserError(f"--shard {text}: need 0 <= I < N", f"use --shard 0/{max(count, 1)} .. "
+                        f"{max(count, 1) - 1}/{max(count, 1)}")
+    return None if count == 1 else (index, count)
+
+
+def resolve_kind(supervision: str | None, layout: str, have_draft: bool) -> str:
+    kind = supervision
+    if kind is None:
+        kind = {"nemo": "draft", "speculators": "hidden", "specforge": "hidden"}.get(layout) or ("draft" if have_draft else "topk")
+    if kind not in KINDS:
+        raise UserError(f"--supervision {kind!r} is not one of {', '.join(KINDS)}", "pick one of them")
+    return kind
+
+
+def _initial_manifest(target, data: DataSpec, inputs: InputPlan, shards: list[ShardPlan], part, layout: Layout,
+                      settings: dict, draft_ids) -> dict:
+    spec, info = layout.spec, target.info
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "tool_version": __version__,
+        "layout": spec.layout,
+        "settings": settings,
+        "model": {
+            "id": info.model_id,
+            "architectures": info.architectures,
+            "num_hidden_layers": info.num_hidden_layers,
+            "hidden_size": info.hidden_size,
+            "vocab_size": info.vocab_size,
+            **({"hub": target.source} if target.source else {}),
+        },
+        "data": _data_block(data, inputs),
+        "aux_layer_ids": list(target.aux_layer_ids),
+        "supervision": {"kind": spec.kind, "k": spec.k, **({"keep_mass": spec.keep_mass} if spec.keep_mass else {}),
+                        "draft_vocab_size": int(draft_ids.numel()) if draft_ids is not None else None,
+                        "draft_vocab_file": "draft_vocab.safetensors" if draft_ids is not None else None},
+        "layout_spec": spec_to_json(spec),
+        "fields": layout.fields(),
+        "dtypes": {name: f["dtype"] for name, f in layout.fields().items()},
+        "num_samples": len(inputs.samples),
+        "num_tokens": inputs.tokens,
+        "num_shards": len(shards),
+        "shard_size": settings["shard_size"],
+        "shard_samples": [len(s.samples) for s in shards],
+        "shard_tokens": [s.tokens for s in shards],
+        "part": {"index": part[0], "count": part[1]} if part else None,
+        "complete": False,
+        "shards": [],
+        "extra_files": [],
+        "runs": [],
+    }
+
+
+def _data_block(spec: DataSpec, inputs: InputPlan) -> dict:
+    """The manifest's `data`: the file read and its counts; for several sources (or a draw,
+    or renamed columns), each source with its weight, cap and rows read, drawn, skipped, taken."""
+    hub = spec.sources[0].hub if len(spec.sources) == 1 else None
+    out = {"path": str(Path(spec.sources[0].path).resolve()) if len(spec.sources) == 1 else str(spec),
+           "lines": inputs.num_lines, "truncated": inputs.truncated, "skipped": inputs.skipped,
+           "no_loss": inputs.no_loss, **({"hub": hub} if hub else {})}
+    if not spec.plain:
+        out["sources"] = [{**s.describe(), **c} for s, c in zip(spec.sources, inputs.sources)]
+        out.update(max_samples=spec.max_samples, seed=spec.seed, columns=dict(spec.columns))
+    return out
+
+
+def _existing_manifest(root: Path, part, settings: dict, shard: str | None) -> dict | None:
+    """Our manifest for this node in `root`, or None for a fresh directory; refuses mixing.
+
+    Every manifest in `root` (the merged one and every node's part) must carry the same
+    settings. A non-empty directory without any eagle-fast manifest is refused too.
+    """
+    if not root.exists():
+        return None
+    path = root / manifest_name(part)
+    merged = root / MANIFEST_NAME
+    fix = ("re-run with the original settings, or pass a new --out directory (or delete "
+           f"{root} to start over)")
+    candidates = [path] + [q for q in [merged] + [q for _, _, q in list_part_manifests(root)] if q != path]
+    found, any_ours = None, False
+    for q in candidates:
+        if not q.exists():
+            continue
+        try:
+            ours = eagle_section(load_json(q))
+        except KeyError:
+            raise UserError(f"{q} was not written by eagle-fast", "pass a new --out directory") from None
+        if "masks" in settings and "masks" not in ours.get("settings", {}):
+            raise UserError(
+                f"{root} was made by an older eagle-fast, whose chat loss masks came from renderings of "
+                "each conversation's prefixes: on templates that render a turn differently once later "
+                "turns exist (Qwen3's think blocks, reasoning dropped from history) they mark the wrong "
+                "tokens, and resuming would mix them with this version's masks",
+                f"extract into a new --out directory (or delete {root}) to rebuild every shard with masks "
+                "from the full rendering")
+        # Settings absent from manifests at their default, shown by name in the diff.
+        defaults = {"aux_dtype": "auto", "quantization": None, "keep_mass": None, "masks": None}
+        diffs = diff_settings({**defaults, **ours.get("settings", {})}, {**defaults, **settings})
+        if diffs:
+            raise UserError(
+                f"{root} already holds a dataset made with different settings ({'; '.join(diffs[:4])}"
+                + (f"; +{len(diffs) - 4} more" if len(diffs) > 4 else "") + ")", fix)
+        any_ours = True
+        if q == path:
+            found = ours
+        elif q == merged and part is not None:
+            raise UserError(f"{root} already holds a merged dataset (manifest.json); --shard {shard} "
+                            "would add a part to it", "pass a new --out directory for per-node parts")
+        elif part is None and q != merged:
+            raise UserError(f"{root} holds per-node parts ({q.name}); a run without --shard would mix "
+                            "with them", f"finish the parts and run `eagle-fast merge {root}`, or pass a "
+                            "new --out directory")
+    if not any_ours:
+        other = sorted(q.name for q in root.iterdir() if not q.name.startswith("."))
+        if other:
+            raise UserError(f"--out {root} is not empty and holds no eagle-fast dataset "
+                            f"(found {', '.join(other[:3])})", "pass a new or empty directory")
+    return found

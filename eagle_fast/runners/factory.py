@@ -1,9 +1,11 @@
 """Which engine, which layers, and the runner built from them: the choices `extract` and
 `serve` share.
 
-`resolve_engine` picks vLLM or transformers (vLLM only where it can capture the model's family);
-`check_vllm_settings` refuses vLLM settings before any engine starts; `default_runner_factory`
-builds the runner; `parse_aux_layers` reads --aux-layers (EAGLE-3's default when absent).
+`resolve_target` resolves the target once, into the frozen `TargetPlan` both commands run:
+the checkpoint (`resolve_checkpoint`: model facts, dtype, aux layers, --max-len), then the engine
+(`choose_engine`, with its vLLM settings): `resolve_engine` picks vLLM or transformers (vLLM only where it can capture the model's family), `parse_aux_layers` reads
+--aux-layers (EAGLE-3's default when absent). `check_vllm_settings` refuses vLLM settings before
+any engine starts; `default_runner_factory` builds the runner.
 Imports no engine: each is imported when its runner is built.
 """
 
@@ -12,14 +14,23 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from eagle_fast.checkpoint import ModelInfo, text_config_dict, weight_files
+from eagle_fast.checkpoint import (
+    ModelInfo,
+    load_model_info,
+    resolve_dtype_name,
+    text_config_dict,
+    weight_files,
+)
+from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
 from eagle_fast.head import head_family_error
+from eagle_fast.inputs import resolve_max_len
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.hf import HFTargetRunner
 from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported, cpu_bf16_only
@@ -233,3 +244,56 @@ def check_vllm_settings(settings: VLLMSettings, requested: str, engine: str, lon
     settings.check(engine, why)
     if engine == "vllm":
         settings.runner_kwargs(longest, step_tokens)  # refuses a max_model_len below the longest sample
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The model a command runs, and the settings that depend on it alone (`resolve_checkpoint`)."""
+
+    model: str                    # the checkpoint directory
+    info: ModelInfo
+    dtype_name: str               # bf16 | fp16 | fp32 (--dtype auto: the checkpoint's)
+    dtype: torch.dtype
+    aux_layer_ids: tuple[int, ...]
+    max_len: int                  # --max-len, or the model's default
+
+
+@dataclass(frozen=True)
+class TargetPlan(Checkpoint):
+    """The checkpoint and the engine that runs it, resolved once (`resolve_target`); `extract` and
+    `serve` share it."""
+
+    requested: str                # --engine as given: auto | vllm | hf
+    engine: str                   # the one chosen (`resolve_engine`): vllm | hf
+    vllm: VLLMSettings
+    engine_check: bool = True     # vLLM: captures against the engine's own log-probs first
+    source: dict | None = None    # a Hub model's id, revision and commit (hub.ModelRef.describe)
+
+
+def resolve_checkpoint(model: str, *, dtype: str = "auto", aux_layers: str | None = None,
+                       max_len: int | None = None, require_weights: bool = True) -> Checkpoint:
+    """--model, --dtype, --aux-layers and --max-len checked and resolved against the checkpoint's
+    config (`require_weights=False`: a plan made before the weights are there)."""
+    dtype_name = resolve_dtype_name(model, dtype)
+    if dtype_name not in SHORT_NAMES:
+        raise UserError(f"--dtype {dtype!r} is not one of auto, bf16, fp16, fp32", "pick one of them")
+    info = load_model_info(model, require_weights)
+    aux = parse_aux_layers(aux_layers, info.num_hidden_layers)
+    return Checkpoint(model=model, info=info, dtype_name=dtype_name, dtype=SHORT_NAMES[dtype_name],
+                      aux_layer_ids=tuple(aux), max_len=resolve_max_len(max_len, info.max_positions))
+
+
+def choose_engine(checkpoint: Checkpoint, engine: str = "auto", vllm: VLLMSettings | None = None,
+                  engine_check: bool = True, source: dict | None = None) -> TargetPlan:
+    """`checkpoint` on the engine `--engine` resolves to for it (`resolve_engine`)."""
+    chosen = resolve_engine(engine, checkpoint.info)
+    return TargetPlan(**{f.name: getattr(checkpoint, f.name) for f in fields(Checkpoint)}, requested=engine,
+                      engine=chosen, vllm=vllm or VLLMSettings(), engine_check=engine_check, source=source)
+
+
+def resolve_target(model: str, *, engine: str = "auto", dtype: str = "auto", aux_layers: str | None = None,
+                   max_len: int | None = None, vllm: VLLMSettings | None = None, engine_check: bool = True,
+                   require_weights: bool = True) -> TargetPlan:
+    """`resolve_checkpoint` then `choose_engine`: the target as `serve` runs it."""
+    return choose_engine(resolve_checkpoint(model, dtype=dtype, aux_layers=aux_layers, max_len=max_len,
+                                            require_weights=require_weights), engine, vllm, engine_check)

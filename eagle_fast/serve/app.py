@@ -35,18 +35,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from eagle_fast import __version__
-from eagle_fast.checkpoint import load_model_info, resolve_dtype_name
-from eagle_fast.dtypes import SHORT_NAMES, long_name
+from eagle_fast.dtypes import long_name
 from eagle_fast.errors import UserError
-from eagle_fast.inputs import resolve_max_len
 from eagle_fast.pipeline.engine_setup import engine_check
 from eagle_fast.runners.engine_settings import VLLMSettings
-from eagle_fast.runners.factory import (
-    check_vllm_settings,
-    default_runner_factory,
-    parse_aux_layers,
-    resolve_engine,
-)
+from eagle_fast.runners.factory import check_vllm_settings, default_runner_factory, resolve_target
 from eagle_fast.serve import protocol as P
 from eagle_fast.serve import wire
 from eagle_fast.serve.batching import Batcher, Engine, EngineFailure, EngineUnavailable, TargetSpec
@@ -105,32 +98,31 @@ class TargetServer:
             raise UserError(f"--exit-when-idle must be positive, got {cfg.exit_when_idle}",
                             "pass the seconds without requests after which the server exits")
         self.target = target_spec(cfg)
-        dtype_name = resolve_dtype_name(cfg.model, cfg.dtype)
-        if dtype_name not in SHORT_NAMES:
-            raise UserError(f"--dtype {cfg.dtype!r} is not one of auto, bf16, fp16, fp32", "pick one of them")
+        resolved = resolve_target(cfg.model, engine=cfg.engine, dtype=cfg.dtype, aux_layers=cfg.aux_layers,
+                                  max_len=cfg.max_len, vllm=cfg.vllm, engine_check=cfg.engine_check)
         self.cfg = cfg
-        self.info = load_model_info(cfg.model)
-        self.aux_layer_ids = parse_aux_layers(cfg.aux_layers, self.info.num_hidden_layers)
-        self.dtype = SHORT_NAMES[dtype_name]
+        self.info = resolved.info
+        self.aux_layer_ids = list(resolved.aux_layer_ids)
+        self.dtype = resolved.dtype
         self.probs_dtype = PROBS_DTYPES[cfg.probs_dtype]
-        self.max_len = resolve_max_len(cfg.max_len, self.info.max_positions)
-        self.engine_name = resolve_engine(cfg.engine, self.info)
+        self.max_len = resolved.max_len
+        self.engine_name = resolved.engine
         positions = self.info.max_positions
         if self.engine_name == "vllm" and positions and self.max_len >= positions:
             raise UserError(f"--max-len {self.max_len}: vLLM needs one position beyond the longest row and this "
                             f"model has {positions}", f"pass --max-len {positions - 1}")
-        check_vllm_settings(cfg.vllm, cfg.engine, self.engine_name, self.max_len)
+        check_vllm_settings(resolved.vllm, resolved.requested, self.engine_name, self.max_len)
         # The default factory builds vLLM with the user's settings. Its steps keep vLLM's default
         # size (chunked prefill on: a few thousand tokens, never the model's context), smaller
         # than --max-batch-tokens' default (65536), which would only grow them.
-        factory = runner_factory or functools.partial(default_runner_factory, vllm=cfg.vllm)
+        factory = runner_factory or functools.partial(default_runner_factory, vllm=resolved.vllm)
 
         def build():
-            runner = factory(self.engine_name, cfg.model, self.dtype, self.max_len)
+            runner = factory(self.engine_name, resolved.model, self.dtype, self.max_len)
             try:
                 runner.set_aux_layers(self.aux_layer_ids)
                 self.engine_check = engine_check(runner, self.engine_name, check_rows(self.info.vocab_size),
-                                                 cfg.engine_check)
+                                                 resolved.engine_check)
             except BaseException:
                 runner.close()
                 raise
