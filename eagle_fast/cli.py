@@ -289,6 +289,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
                         "client sends the token ids and loss masks its dataset made",
                         "set the template in the trainer's dataset (NeMo ChatDataset's chat_template, its "
                         "template kwargs such as enable_thinking), the same ones given to extract and vocab")
+    keep_triton_out(a.engine)  # --engine hf: before resolving, whose checks import transformers (and so Triton)
     server = TargetServer(ServeConfig(
         model=resolve_model(a.model, a.revision).path, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers,
         host=a.host, port=a.port,
@@ -297,7 +298,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         vllm=vllm_settings(a), engine_check=not a.no_engine_check,
     ))
     return_freed_memory()
-    keep_triton_out(server.engine_name)
+    keep_triton_out(server.engine_name)  # auto resolved to hf without vLLM installed
     server.run()
     return 0
 

@@ -40,13 +40,13 @@ def test_extract_tp2_equals_tp1(tmp_path, monkeypatch, capfd, tiny_llama, vllm_l
     lines.append(json.dumps({"input_ids": list(range(30, 180)), "loss_mask": [1] * 150}))  # > one short batch
     data = write_jsonl(tmp_path / "d.jsonl", lines)
     out = tmp_path / "out"
-    code = main(["extract", "--model", str(tiny_llama), "--data", str(data), "--out", str(out), "--engine", "vllm",
+    code = main(["-v", "extract", "--model", str(tiny_llama), "--data", str(data), "--out", str(out), "--engine", "vllm",
                  "--dtype", "fp32", "--aux-layers", ",".join(map(str, RUNNER_AUX_IDS)), "--max-len", str(MAX_LEN),
                  "--batch-tokens", "256", "--supervision", "lse", "--tensor-parallel-size", "2",
                  "--capture-dir", str(tmp_path)])
     logs = "".join(capfd.readouterr())
     assert code == 0, logs[-3000:]
-    assert "Worker_TP1" in logs  # a second rank ran: the setting reached the engine
+    assert "Worker_TP1" in logs  # a second rank ran (vLLM's own log, shown by -v): the setting reached the engine
     assert ("one CPU group per TP rank" in logs) == one_node, logs[-3000:]
 
     ds = Eagle3Dataset(out, verify="full")
