@@ -84,9 +84,12 @@ def ids_off_rate(ids_a: torch.Tensor, lp_a: torch.Tensor, ids_b: torch.Tensor, l
     la, lb = lp_a.reshape(-1, k).to(torch.float64), lp_b.reshape(-1, k).to(torch.float64)
     if not a.numel():
         return 0.0
-    match = a[:, :, None] == b[:, None, :]  # [T, k(stored), k(recomputed)]
-    near = (la[:, :, None] - lb[:, None, :]).abs() <= tol
-    agree = (a == b) | (match & near).any(-1) | (~match.any(-1) & (la <= lb.amin(-1, keepdim=True) + tol))
+    # where each stored id sits in its recomputed row (ids are distinct in a row): O(T k log k), no [T, k, k]
+    b_sorted, order = b.sort(-1)
+    pos = torch.searchsorted(b_sorted, a).clamp_(max=k - 1)
+    found = b_sorted.gather(-1, pos) == a
+    lp_there = lb.gather(-1, order.gather(-1, pos))
+    agree = (a == b) | (found & ((la - lp_there).abs() <= tol)) | (~found & (la <= lb.amin(-1, keepdim=True) + tol))
     return float((~agree).double().mean())
 
 
