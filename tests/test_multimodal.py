@@ -47,13 +47,11 @@ def test_the_vl_decoders_head_equals_transformers(vl_model):
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(vl_model), dtype=torch.float32).eval()
     ids = torch.randint(3, 600, (2, 17), generator=torch.Generator().manual_seed(0))
+    captured: list[torch.Tensor] = []  # the last decoder layer's output: the final pre-norm state
+    model.model.language_model.layers[-1].register_forward_hook(
+        lambda _m, _i, o: captured.append(o[0] if isinstance(o, tuple) else o))
     with torch.no_grad():
         out = model(input_ids=ids)
-        pre = model.model.language_model.layers[-1].register_forward_hook(
-            lambda _m, _i, o: captured.append(o[0] if isinstance(o, tuple) else o))
-        captured: list[torch.Tensor] = []
-        model(input_ids=ids)
-        pre.remove()
     head = TargetHead.from_pretrained(str(vl_model))
     assert head.spec.norm == "rms" and head.spec.softcap is None
     with torch.no_grad():
