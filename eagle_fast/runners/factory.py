@@ -76,16 +76,13 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
     architecture, else hf with a warning; an explicit `vllm` that cannot is a UserError."""
     if engine not in ("vllm", "hf", "auto"):
         raise UserError(f"--engine {engine!r} is not one of vllm, hf, auto", "pick --engine vllm or hf")
-    head = head_unsupported(info) if info is not None else None
-    if head is not None:
-        raise UserError(head, "pass its head rules through the API (TargetHead overrides), or use a supported "
-                              "family (README's families table)")
-    hf = hf_unsupported(info) if info is not None else None
     if engine == "hf":
+        hf = hf_unsupported(info) if info is not None else None
         if hf is not None:
             raise UserError(f"--engine hf: {hf}", "use --engine vllm with a vLLM that can run this model")
         return engine
     if not vllm_available():
+        hf = hf_unsupported(info) if info is not None else None
         if engine == "auto" and hf is None:
             return "hf"
         raise UserError(f"--engine {engine}: vLLM is not installed" + (f", and {hf}" if hf else ""),
@@ -94,7 +91,8 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
     if info is not None:
 
         reason = capture_unsupported(info.architectures) or vllm_untied(info)
-        if reason is not None and hf is not None:  # neither engine can run it: say both, before any write
+        hf = hf_unsupported(info) if reason is not None else None  # transformers' mappings load Triton: only here
+        if hf is not None:  # neither engine can run it: say both, before any write
             raise UserError(f"no engine can run this model here. vLLM: {reason}. transformers: {hf}",
                             "run it where vLLM can (a full vLLM install: its multimodal modules need "
                             "torchvision), or pick a text-only checkpoint of the family")
@@ -264,6 +262,10 @@ def resolve_checkpoint(model: str, *, dtype: str = "auto", aux_layers: str | Non
     if dtype_name not in SHORT_NAMES:
         raise UserError(f"--dtype {dtype!r} is not one of auto, bf16, fp16, fp32", "pick one of them")
     info = load_model_info(model, require_weights)
+    head = head_unsupported(info)
+    if head is not None:
+        raise UserError(head, "pass its head rules through the API (TargetHead overrides), or use a supported "
+                              "family (README's families table)")
     aux = parse_aux_layers(aux_layers, info.num_hidden_layers)
     return Checkpoint(model=model, info=info, dtype_name=dtype_name, dtype=SHORT_NAMES[dtype_name],
                       aux_layer_ids=tuple(aux), max_len=resolve_max_len(max_len, info.max_positions))
@@ -271,8 +273,11 @@ def resolve_checkpoint(model: str, *, dtype: str = "auto", aux_layers: str | Non
 
 def choose_engine(checkpoint: Checkpoint, engine: str = "auto", vllm: VLLMSettings | None = None,
                   engine_check: bool = True, source: dict | None = None) -> TargetPlan:
-    """`checkpoint` on the engine `--engine` resolves to for it (`resolve_engine`)."""
+    """`checkpoint` on the engine `--engine` resolves to for it (`resolve_engine`); a dtype vLLM
+    cannot run it in is refused here, for extract and serve alike."""
     chosen = resolve_engine(engine, checkpoint.info)
+    if chosen == "vllm":
+        check_vllm_dtype(checkpoint.info, checkpoint.dtype)
     return TargetPlan(**{f.name: getattr(checkpoint, f.name) for f in fields(Checkpoint)}, requested=engine,
                       engine=chosen, vllm=vllm or VLLMSettings(), engine_check=engine_check, source=source)
 
