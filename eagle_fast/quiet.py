@@ -142,6 +142,10 @@ def copy_quietly(source: int = 0, sink: int = 1) -> None:
                 continue
             dropped = False
             out.append(line + b"\n")
+        updates, cr, rest = pending.rpartition(b"\r")
+        if cr and not quiet_line(updates):  # a progress bar's updates, shown as they come
+            out.append(updates + cr)
+            pending = rest
         _write_all(sink, b"".join(out))
     if pending and not quiet_line(pending):
         _write_all(sink, pending)
@@ -190,6 +194,10 @@ def _filter_fd2():
         sys.stderr.flush()
         sys.stderr = old_stderr
         os.dup2(terminal, 2)  # this process's write end closes; the filter ends with the children's
+        try:  # the engine processes' last lines (a traceback) before the command's own verdict
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:  # a child still holds the pipe: the filter outlives us
+            pass
 
 
 @contextmanager

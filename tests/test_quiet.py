@@ -23,7 +23,7 @@ from eagle_fast.quiet import (
     RECORDS,
     WARNINGS,
     QuietRecords,
-    python_warnings_option,
+    copy_quietly,
     quiet_cli,
     quiet_line,
 )
@@ -108,11 +108,38 @@ def test_stderr_lines(line, quiet):
     assert quiet_line(line.encode()) is quiet
 
 
-def test_python_warnings_option_is_one_entry_per_warning():
-    entries = python_warnings_option().split(",")
-    assert len(entries) == len(WARNINGS)
-    for entry, (category, message, module, _) in zip(entries, WARNINGS):
-        assert entry.split(":") == ["ignore", message, category.__name__, module]
+def test_the_fd2_filter_shows_a_bar_as_it_moves_and_drops_a_named_one():
+    """`copy_quietly` over a pipe, as the engine processes' stderr goes: another program's progress
+    bar (carriage-return updates, faster than IDLE_S) shows each update as it comes, not when it
+    stops; vLLM's loading bar, named in LINES, never shows; plain lines pass whole."""
+    import select
+    import threading
+
+    src_r, src_w = os.pipe()
+    out_r, out_w = os.pipe()
+    t = threading.Thread(target=copy_quietly, args=(src_r, out_w), daemon=True)
+    t.start()
+
+    def read_now() -> bytes:
+        got = b""
+        while select.select([out_r], [], [], 0.1)[0]:
+            got += os.read(out_r, 1 << 16)
+        return got
+
+    try:
+        for pct in (10, 20):
+            os.write(src_w, f"capturing graphs {pct}%\r".encode())
+            assert read_now() == f"capturing graphs {pct}%\r".encode()  # within 0.1 s, not at the end
+        os.write(src_w, b"Loading safetensors checkpoint shards: 50%\r")
+        assert read_now() == b""
+        os.write(src_w, b"Loading safetensors checkpoint shards: 100%\nengine died: out of memory\n")
+        assert read_now() == b"engine died: out of memory\n"
+    finally:
+        os.close(src_w)
+        t.join(timeout=5)
+        os.close(src_r)
+        os.close(out_w)
+        os.close(out_r)
 
 
 def test_quiet_cli_leaves_no_state(monkeypatch):
@@ -197,6 +224,7 @@ def test_demo_shows_its_own_output_only(demo):
     err = demo.stderr
     assert "Warning:" not in err and "Traceback" not in err, err
     assert not re.search(r"^\S+:\d+: \w*Warning: ", err, re.MULTILINE), err  # the warnings module's format
+    assert not re.search(r"^(\(\w+ pid=\d+\) )?WARNING \d\d-\d\d ", err, re.MULTILINE), err  # vLLM's own format
     for needle in FILTERED:
         assert needle not in err, (needle, err)
     assert "eagle-fast: [4/4]" in err and "verify: PASS" in demo.stdout
