@@ -36,6 +36,7 @@ from eagle_fast.cli_args import (
     add_vllm_args,
     chat_format,
     data_spec,
+    ray_options,
     vllm_settings,
 )
 from eagle_fast.cli_loop import add_loop_parsers, cmd_accept, cmd_regenerate
@@ -43,7 +44,6 @@ from eagle_fast.demo import run_demo
 from eagle_fast.errors import UserError
 from eagle_fast.hub import resolve_model
 from eagle_fast.memory import return_freed_memory
-from eagle_fast.pipeline.distributed import RayOptions
 from eagle_fast.pipeline.inspect import inspect_text, show_mask_text
 from eagle_fast.pipeline.merge import merge
 from eagle_fast.pipeline.plan import ExtractConfig, dry_run, extract
@@ -229,11 +229,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
         plan = dry_run(cfg)
         print(json.dumps(plan.to_json(), indent=1) if a.json else plan.text())
         return 0
-    if not a.ray and (a.ray_workers, a.ray_address, a.ray_cpus_per_worker) != (None, None, None):
-        raise UserError("--ray-workers, --ray-address and --ray-cpus-per-worker apply to --ray runs only",
-                        "add --ray")
-    ray = RayOptions(workers=a.ray_workers, address=a.ray_address, cpus_per_worker=a.ray_cpus_per_worker)
-    summary = extract(cfg, ray=ray if a.ray else None)
+    summary = extract(cfg, ray=ray_options(a))
     print(summary.text())
     if summary.complete and cfg.shard:
         print(f"this node's part is complete; once every node is done run: eagle-fast merge {a.out}")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 
 from eagle_fast.chat import ChatFormat
+from eagle_fast.errors import UserError
 from eagle_fast.mixing import DataSpec, resolve_spec
+from eagle_fast.pipeline.distributed import RayOptions
 from eagle_fast.runners.engine_settings import VLLMSettings, parse_engine_args
 
 # The help groups, in the order a command lists them.
@@ -141,6 +143,18 @@ def add_ray(g, cpus: bool = True) -> None:
     if cpus:
         g.add_argument("--ray-cpus-per-worker", type=float, default=None, metavar="C",
                        help="CPUs and torch threads per Ray worker")
+
+
+def ray_options(a: argparse.Namespace) -> RayOptions | None:
+    """`add_ray`'s flags as RayOptions (None without --ray); a --ray-* flag without --ray is refused."""
+    given = {"--ray-workers": a.ray_workers, "--ray-address": a.ray_address,
+             "--ray-cpus-per-worker": getattr(a, "ray_cpus_per_worker", None)}
+    if not a.ray:
+        stray = [flag for flag, value in given.items() if value is not None]
+        if stray:
+            raise UserError(f"{' and '.join(stray)} apply to --ray runs only", "add --ray")
+        return None
+    return RayOptions(workers=a.ray_workers, address=a.ray_address, cpus_per_worker=given["--ray-cpus-per-worker"])
 
 
 def data_spec(a: argparse.Namespace) -> DataSpec:

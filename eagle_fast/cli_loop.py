@@ -19,14 +19,13 @@ from eagle_fast.cli_args import (
     add_vllm_args,
     chat_format,
     data_spec,
+    ray_options,
     vllm_settings,
 )
-from eagle_fast.errors import UserError
 from eagle_fast.hub import resolve_model
 from eagle_fast.loop.accept import AcceptConfig, accept
 from eagle_fast.loop.engine import Sampling
 from eagle_fast.loop.regenerate import RegenerateConfig, regenerate
-from eagle_fast.pipeline.distributed import RayOptions
 
 SAMPLING = "sampling (vLLM's names)"
 
@@ -87,15 +86,13 @@ def _sampling(a: argparse.Namespace) -> Sampling:
 
 
 def cmd_regenerate(a: argparse.Namespace) -> int:
-    if not a.ray and (a.ray_workers, a.ray_address) != (None, None):
-        raise UserError("--ray-workers and --ray-address apply to --ray runs only", "add --ray")
+    ray = ray_options(a)  # before anything is read
     cfg = RegenerateConfig(model=resolve_model(a.model, a.revision).path, data=data_spec(a), out=a.out,
                            dtype=a.dtype,
                            sampling=_sampling(a),
                            reasoning=a.reasoning, chunk_rows=a.chunk_rows, chat=chat_format(a),
                            tool_call_parser=a.tool_call_parser, tool_turns=a.tool_turns,
                            vllm=vllm_settings(a))
-    ray = RayOptions(workers=a.ray_workers, address=a.ray_address) if a.ray else None
     print(regenerate(cfg, ray=ray).text())
     return 0
 

@@ -418,3 +418,14 @@ def test_serve_refuses_chat_flags_naming_where_they_go(capsys, tiny_llama, flag,
     code, _, err = run_main(capsys, "serve", "--model", tiny_llama, "--engine", "hf", flag, value)
     assert code == 2
     assert f"{flag} would change nothing" in err and "NeMo ChatDataset's chat_template" in err
+
+
+@pytest.mark.parametrize("command, extra", [("extract", ["--ray-cpus-per-worker", "2"]), ("regenerate", [])])
+def test_ray_flags_without_ray_are_refused(capsys, tiny_llama, data, tmp_path, command, extra):
+    """`cli_args.ray_options`, shared by extract and regenerate: a --ray-* flag without --ray
+    would be ignored silently, so it is refused, naming the flags given."""
+    code, _, err = run_main(capsys, command, "--model", tiny_llama, "--data", data, "--out", tmp_path / "o",
+                            "--ray-workers", "2", *extra)
+    assert code == 2 and "apply to --ray runs only" in err and "--ray-workers" in err, err
+    assert ("--ray-cpus-per-worker" in err) is bool(extra), err
+    assert not (tmp_path / "o").exists()
