@@ -4,32 +4,14 @@ are not followed)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
+from _links import broken_links, relative_links
 
 REPO = Path(__file__).resolve().parents[1]
 README_MAX_BYTES = 15 * 1024
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-# [text](target) or [text](target "title"); images too. Code spans are removed first, so a
-# bracketed expression inside backticks is never read as a link.
-LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
-CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
-
-
-def relative_links(text: str) -> list[str]:
-    """The link targets in markdown `text` that name a file of this tree, without their anchors."""
-    out = []
-    for target in LINK.findall(CODE.sub("", text)):
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE) or target.startswith("#"):
-            continue  # http(s):, mailto:, or an anchor within the page
-        out.append(target.split("#", 1)[0])
-    return out
-
-
-def broken_links(page: Path) -> list[str]:
-    return [t for t in relative_links(page.read_text()) if not (page.parent / t).exists()]
 
 
 def test_readme_fits_its_budget():
@@ -56,6 +38,6 @@ def test_a_broken_link_is_caught(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
         "[ok](there.md#a) [web](https://example.com/x) [mail](mailto:a@b.c) [anchor](#here)\n"
-        "`[code](nowhere.md)` [gone](missing.md#sec) ![img](gone.png)\n"
+        f"`[code](nowhere.md)` [gone](missing.md#sec) ![img](gone.png) [abs]({tmp_path / 'there.md'})\n"
     )
-    assert broken_links(page) == ["missing.md", "gone.png"]
+    assert broken_links(page) == ["missing.md", "gone.png", str(tmp_path / "there.md")]
