@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 DEMO_DATA = Path(__file__).resolve().parents[1] / "eagle_fast" / "data" / "demo_chat.jsonl"
@@ -86,6 +87,19 @@ def run_main(capsys, *argv) -> tuple[int, str, str]:
 # `eagle-fast` with a runner factory whose engine calls hold once a shard is in the manifest
 # (MODE "held": the test kills the run there) or fail after a few (MODE "fail"); on Ray it
 # travels to the workers by value. Run as `python driver.py MODE eagle-fast-args...`.
+def wait_for_shards(proc, out: Path, n: int, timeout: float) -> None:
+    """Poll until the run `proc` writes to `out` has at least `n` shards in its manifest, it ends,
+    or `timeout` seconds pass (the caller then kills it mid-run and checks what it left)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if len(json.loads((Path(out) / "manifest.json").read_text())["shards"]) >= n:
+                return
+        except (OSError, ValueError, KeyError):
+            pass  # not written yet, or mid-rename
+        time.sleep(0.05)
+
+
 HELD_DRIVER = r"""
 import json, sys, time
 import eagle_fast.pipeline.run as ex

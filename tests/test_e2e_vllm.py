@@ -19,12 +19,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from _assert import assert_close, assert_ids_equal
-from _pipeline import SharedRunner, chat_lines, manifest_core, tree_digest, write_jsonl
+from _pipeline import (
+    SharedRunner,
+    chat_lines,
+    manifest_core,
+    tree_digest,
+    wait_for_shards,
+    write_jsonl,
+)
 from conftest import RUNNER_AUX_IDS, VLLM_TEST_KWARGS
 
 pytestmark = pytest.mark.vllm
@@ -150,15 +156,8 @@ def test_sigkill_mid_run_resumes_byte_identical(reference, tiny_llama, inputs, s
     with open(tmp_path / "killed.log", "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 cwd=str(tmp_path), env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.time() + 420
         try:
-            while time.time() < deadline and proc.poll() is None:
-                try:
-                    if len(json.loads(manifest.read_text())["shards"]) >= 2:
-                        break
-                except (OSError, ValueError, KeyError):
-                    pass  # not written yet
-                time.sleep(0.05)
+            wait_for_shards(proc, out, 2, timeout=420)
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # the run and its engine processes, mid-shard

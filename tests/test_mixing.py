@@ -16,10 +16,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from _pipeline import HELD_DRIVER, chat_lines, manifest_core, tree_digest, write_jsonl
+from _pipeline import (
+    HELD_DRIVER,
+    chat_lines,
+    manifest_core,
+    tree_digest,
+    wait_for_shards,
+    write_jsonl,
+)
 
 from eagle_fast import ExtractConfig, extract
 from eagle_fast.errors import UserError
@@ -230,15 +236,8 @@ def test_a_parquet_run_killed_mid_way_resumes_byte_identical(two_sources, tiny_l
     out = tmp_path / "killed"
     proc = subprocess.Popen(argv("held", out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + 300
     try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if len(json.loads((out / "manifest.json").read_text())["shards"]) >= 1:
-                    break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
+        wait_for_shards(proc, out, 1, timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pipeline import HELD_DRIVER, manifest_core, mixed_jsonl, tree_digest
+from _pipeline import HELD_DRIVER, manifest_core, mixed_jsonl, tree_digest, wait_for_shards
 
 from eagle_fast import ExtractConfig, extract
 from eagle_fast.cli import main
@@ -226,11 +226,7 @@ def test_cli_driver_killed_mid_run_resumes_and_leaves_no_ray_process(inputs, tin
     mark = uuid.uuid4().hex
     proc = _cli(tmp_path, "held", argv, mark)
     manifest = out / "manifest.json"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if manifest.exists() and json.loads(manifest.read_text())["shards"]:
-            break
-        time.sleep(0.2)
+    wait_for_shards(proc, out, 1, timeout=120)
     assert proc.poll() is None, f"the run ended before it could be killed:\n{proc.communicate()[0][-3000:]}"
     proc.kill()  # SIGKILL the driver only: Ray's processes must follow it
     proc.wait()
