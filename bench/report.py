@@ -4,7 +4,8 @@ bench/results/lm_head-*.png (plots).
 What it does
     Reads every results file the benchmarks wrote (lm_head-cpu.json, lm_head-cuda.json,
     runner-cpu.json, pipeline-cpu.json, cpu_ops-cpu.json, serve-cpu.json, ray-cpu.json,
-    host_path-cpu.json, storage-cpu.json, accept-cpu.json, keep_mass-cpu.json; whichever exist) and writes
+    host_path-cpu.json, storage-cpu.json, accept-cpu.json, keep_mass-cpu.json, floors-cpu.json; whichever
+    exist) and writes
     (bench_accept draws its own accept-cpu.png):
       - bench/RESULTS.md: bench/SUMMARY.md verbatim (hand-curated rows across machines), then a
         table of the subject pages and the other machines' pages;
@@ -44,7 +45,7 @@ import sys
 from pathlib import Path
 
 from report_data import accept_section, datagen_section, storage_section
-from report_head import cpu_ops_section, lm_head_section, plot_lm_head
+from report_head import cpu_ops_section, floors_section, lm_head_section, plot_lm_head
 from report_keep_mass import section as keep_mass_section
 from report_system import pipeline_section, ray_section, runner_section, serve_section
 from report_text import table
@@ -129,7 +130,8 @@ def sections(results: Path, page_dir: Path) -> dict[str, tuple[list[str], dict[s
         add("head-cpu", [(f"The floor cases as an AVX2-only CPU runs them (`make bench-avx2`: torch, "
                           f"oneDNN and MKL capped to AVX2 on this machine): [{os.path.relpath(capped, page_dir)}]"
                           f"({os.path.relpath(capped, page_dir)})."), ""])
-    renderers = (("cpu_ops-cpu", "head-cpu", cpu_ops_section), ("runner-cpu", "runner", runner_section),
+    renderers = (("cpu_ops-cpu", "head-cpu", cpu_ops_section), ("floors-cpu", "head-cpu", floors_section),
+                 ("runner-cpu", "runner", runner_section),
                  ("pipeline-cpu", "extract", pipeline_section), ("serve-cpu", "serve", serve_section),
                  ("ray-cpu", "extract", ray_section))
     for name, subject, render_section in renderers:

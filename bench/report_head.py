@@ -9,7 +9,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from report_text import PHASES, env_line, fmt_bytes, fmt_s, phases_source, table, targets_md
+from report_text import (
+    PHASES,
+    env_line,
+    fmt_bytes,
+    fmt_s,
+    phases_source,
+    section_head,
+    table,
+    targets_md,
+)
 
 PROVIDER_ORDER = ("seed-fp32", "torch-native", "lm_head-torch", "lm_head-triton", "lm_head-triton-before",
                   "lm_head-triton-persistent", "gemm-floor", "gemm-fp32out")
@@ -217,4 +226,21 @@ def cpu_ops_section(d: dict) -> list[str]:
         out += table(["machine", *names, "speedup"],
                       [[where, *(fmt_s(t[n]) for n in names), f"{gp['speedup'][where]:.2f}x"]
                        for where, t in gp["seconds"].items()])
+    return out
+
+
+def floors_section(d: dict) -> list[str]:
+    """The CPU head's floor (bench_floors.py): every GEMM of the shape and the head, as multiples of
+    the fastest GEMM, with what the screen recomputed."""
+    names = list(d["cases"][0]["vs_floor"]) if d.get("cases") else []
+    out = section_head("The CPU head's floor (`bench_floors.py`)", d,
+                       ("`lm_head((\"draft\", \"argmax\"))` against every GEMM PyTorch offers for the shape, side by "
+                        "side; each cell is the median time as a multiple of the fastest GEMM (the floor). "
+                        "`two-gemms` is the least a byte-identical head can cost here."))
+    out += table(["shape", "N", "H", "V", "draft", "floor", *names],
+                 [[c["shape"], c["N"], c["H"], c["V"], c["draft"], f"{c['floor']} {fmt_s(c['median_s'][c['floor']])}",
+                   *(f"{c['vs_floor'][n]:.2f}x" for n in names)] for c in d["cases"]])
+    out += table(["shape", "pairs recomputed per row", "exact tiles", "same bytes as the exact walk"],
+                 [[c["shape"], f"{c['screen']['pairs_per_row']:.2f}", c["screen"]["exact_tiles"], c["same_bytes"]]
+                  for c in d["cases"]])
     return out
