@@ -7,9 +7,11 @@ What it does
                      PyTorch offers where the CPU has bf16 math (AVX512-BF16/AMX)
       gemm-fp32out   MKL's bf16 x bf16 -> fp32 GEMM (`_cpu.gemm_bf16_f32`, the exact head's)
       gemm-fp32      fp32 `torch.mm` on weights upcast ahead of time (the cheapest on AVX2)
-      head           `lm_head(("draft", "argmax"), impl="torch")`: screened where it can be
-                     (`kernels/_torch_screen.py`)
-      head-exact     the same call with the screen off (`switched(False)`): the exact walk alone
+      head           `lm_head(("draft", "argmax"), impl="torch")`: the compiled walk where it runs
+                     (`kernels/_native.py`, AMX), else screened where it can be
+      head-screen    the same call with the compiled walk off: the screen (`kernels/_torch_screen.py`)
+                     over MKL's exact walk of the draft columns (where the compiled walk runs)
+      head-exact     the same call with both off: MKL's exact walk alone
       two-gemms      the least a byte-identical draft+argmax head can run here: MKL's
                      fp32-output GEMM over the draft columns (the exact walk's draft log-probs
                      are defined by its bits) plus gemm-bf16out over the other columns, weight
@@ -18,8 +20,10 @@ What it does
                      bytes on this CPU (measured where MKL's bf16 GEMM runs)
     The floor is the fastest GEMM measured; each ratio names it. It also counts what the
     screen recomputed (pairs per row, exact tiles) for these random targets and for the
-    trained tiny target (`eagle_fast.tiny`, built in a temp dir in seconds), and checks that
-    the screened and exact heads return the same bytes. Writes floors-cpu.json.
+    trained tiny target (`eagle_fast.tiny`, built in a temp dir in seconds), checks that
+    the screened and exact heads return the same bytes, and how far the compiled walk's
+    draft log-probs lie from the exact walk's (their GEMMs sum in other orders) and how often
+    their argmax agrees. Writes floors-cpu.json.
 
 Limits
     Both GEMM outputs are resident while measured ([N, V] bf16 and fp32: 7.5 GB at N=8192);
@@ -43,6 +47,9 @@ from eagle_fast.kernels._cpu import (
     gemm_bf16_f32,
     hardware_isa,
 )
+from eagle_fast.kernels._native import kind as native_kind
+from eagle_fast.kernels._native import report as native_report
+from eagle_fast.kernels._native import switched as native_switched
 from eagle_fast.kernels._torch_screen import counting, switched
 
 from eagle_fast import tiny
@@ -55,9 +62,9 @@ GEMMS = ("gemm-bf16out", "gemm-fp32out", "gemm-fp32")
 GOALS = {"AMX": 1.5, "AVX512-BF16": 1.3}
 
 
-def _head(hidden, weight, norm_weight, draft_ids, screen: bool):
+def _head(hidden, weight, norm_weight, draft_ids, screen: bool, native: bool = False):
     def call():
-        with switched(screen):
+        with switched(screen), native_switched(native):
             return lm_head(hidden, weight, norm_weight, outputs=("draft", "argmax"),
                            draft_ids=draft_ids, impl="torch")
     return call
@@ -106,7 +113,9 @@ def measure_shape(shape, rounds: int) -> dict:
             gemm_bf16_f32(y, w_draft, out_draft)
             return torch.mm(y, w_rest.t(), out=out_rest)
         providers["two-gemms"] = two_gemms
-    providers["head"] = _head(hidden, weight, norm_weight, draft_ids, True)
+    providers["head"] = _head(hidden, weight, norm_weight, draft_ids, True, native=True)
+    if native_kind():
+        providers["head-screen"] = _head(hidden, weight, norm_weight, draft_ids, True)
     providers["head-exact"] = _head(hidden, weight, norm_weight, draft_ids, False)
     once = () if bf16_gemm_is_native() else ("gemm-bf16out",)
     sbs = H.SideBySide(providers, "cpu", once=once)
@@ -115,8 +124,9 @@ def measure_shape(shape, rounds: int) -> dict:
         sbs.round(i)
     med = {n: t.median for n, t in sbs.timings.items() if t.error is None}
     floor = min((n for n in GEMMS if n in med), key=med.get)  # two-gemms is a bound, not a floor
-    counts, screened = _screened_counts(providers["head"], N, V - Vd)
+    counts, screened = _screened_counts(providers.get("head-screen", providers["head"]), N, V - Vd)
     exact = providers["head-exact"]()
+    compiled = providers["head"]() if native_kind() else None
     flop = 2 * N * Hd * V
     return {
         "shape": shape.name, "N": N, "H": Hd, "V": V, "draft": Vd, "floor": floor,
@@ -124,7 +134,14 @@ def measure_shape(shape, rounds: int) -> dict:
         "median_s": med, "tflops": {n: flop / s / 1e12 for n, s in med.items()},
         "vs_floor": {n: s / med[floor] for n, s in med.items()},
         "screen": counts, "same_bytes": _same(screened, exact),
+        "compiled_vs_exact": None if compiled is None else _apart(compiled, exact),
     }
+
+
+def _apart(a, b) -> dict:
+    """How far two heads' outputs lie apart: draft log-probs (max abs), argmax agreement."""
+    return {"draft_logprobs_max_abs": float((a.draft_logprobs.double() - b.draft_logprobs.double()).abs().max()),
+            "argmax_agree": float((a.argmax == b.argmax).double().mean())}
 
 
 def trained_tiny_counts() -> dict:
@@ -162,7 +179,8 @@ def run(args) -> dict:
         print(f"N={c['N']} H={c['H']}: " + ", ".join(
             f"{n} {H.fmt_s(s)} ({c['vs_floor'][n]:.2f}x)" for n, s in c["median_s"].items())
             + f"; floor {c['floor']}; screen {c['screen']}", flush=True)
-    return {"environment": H.environment("cpu"), "isa": hardware_isa(), "cases": cases,
+    return {"environment": H.environment("cpu"), "isa": hardware_isa(), "compiled_walk": native_report(),
+            "cases": cases,
             "trained_tiny": trained_tiny_counts()}
 
 
@@ -173,6 +191,12 @@ def verdicts(results) -> H.Verdicts:
         where = f"N={c['N']} H={c['H']} V={c['V']} draft32k+argmax"
         v.check(f"same bytes, screened vs exact head ({where})", c["same_bytes"], "argmax, draft log-probs")
         head, exact, floor = c["median_s"]["head"], c["median_s"]["head-exact"], c["median_s"][c["floor"]]
+        apart = c.get("compiled_vs_exact")
+        if apart is not None:
+            v.check(f"compiled walk within 1e-4 of the exact walk, argmax agreeing on >= 99.9 % ({where})",
+                    apart["draft_logprobs_max_abs"] <= 1e-4 and apart["argmax_agree"] >= 0.999,
+                    f"draft log-probs {apart['draft_logprobs_max_abs']:.2g} apart, argmax agrees on "
+                    f"{100 * apart['argmax_agree']:.3f} %")
         if goal is not None:
             v.check(f"head <= {goal}x the floor ({where})", head <= goal * floor,
                     f"{H.fmt_s(head)} vs {H.fmt_s(floor)} ({c['floor']}) = {head / floor:.2f}x; "

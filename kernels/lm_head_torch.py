@@ -54,7 +54,9 @@ from ._common import HeadOutput, HeadRequest, empty_output, phase
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
 from ._torch_draft import draft_log_softmax, draft_topk_outputs
 from ._torch_running import RunningTopK, update_argmax
-from ._torch_screen import screen_enabled, screen_rest
+from ._native import draft_argmax as native_draft_argmax
+from ._native import usable as native_usable
+from ._torch_screen import norm_upper, screen_enabled, screen_rest, weight_norms
 
 # CPU tiling: a [R, C] fp32 logits tile of 4 MiB (R = 1024 rows at C = 1024) and an fp32
 # weight chunk [C, H] of at most 4 MiB (C = 1024 columns up to H = 1024). Time barely depends on
@@ -332,6 +334,19 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
             starts = torch.tensor([c0 for c0, _ in chunks] + [V], device=dev)
             bounds = torch.searchsorted(draft_ids, starts).tolist()
 
+    if (keep_draft and draft_first and not (need_lse or k) and on_cpu
+            and native_usable(y, weight, req.logit_scale, req.softcap)):
+        # ("draft", "argmax") on AMX: the compiled walk (`_native`), every column in one pass
+        with phase("gemm"):
+            got = native_draft_argmax(y, weight, draft_ids, norm_upper(y), weight_norms(weight).max().item())
+        if got is not None:
+            draft_buf, draft_lse, run_arg = got
+            out = HeadOutput(lse=None, argmax=run_arg)
+            with phase("copy-out"):
+                out.draft_logprobs = draft_log_softmax(draft_buf, draft_lse, req.out_dtype, R * C)
+            pos = torch.searchsorted(draft_ids, run_arg).clamp_max(Vd - 1)
+            out.argmax_in_draft = draft_ids[pos] == run_arg
+            return out
     # ("draft", "argmax") past the draft range: a bf16 screen, verified (`_torch_screen`)
     screen = draft_first and not (need_lse or k) and screen_enabled(y, req.logit_scale, req.softcap)
     for j, (c0, c1) in enumerate(chunks):

@@ -18,7 +18,7 @@ from unittest import mock
 
 import pytest
 import torch
-from eagle_fast.kernels import _cpu, lm_head, lm_head_torch
+from eagle_fast.kernels import _cpu, _native, lm_head, lm_head_torch
 from eagle_fast.kernels._torch_screen import (
     counting,
     fp32_gap,
@@ -32,6 +32,13 @@ from eagle_fast import tiny
 
 pytestmark = pytest.mark.skipif(not _cpu.bf16_gemm_available(),
                                 reason="the screen needs MKL's bf16 GEMM in hardware (AVX512-BF16/AMX)")
+
+
+@pytest.fixture(autouse=True)
+def _no_compiled_walk():
+    """The screen serves ("draft", "argmax") only where the compiled walk does not (`_native`)."""
+    with _native.switched(False):
+        yield
 
 
 @contextmanager

@@ -1,0 +1,259 @@
+"""The CPU head's compiled draft + argmax walk (`csrc/head_cpu.c`): build, load, call.
+
+What it does
+    `draft_argmax(y, weight, draft_ids, out_dtype)` is `lm_head_torch`'s ("draft", "argmax") on
+    CPUs with AMX: one pass over the vocabulary computes every fp32 logit with AMX tiles
+    (bf16 products, fp32 accumulation), keeps each token's argmax and the draft logits with
+    their logsumexp, and never writes an [N, V] buffer. The draft log-probs are then the raw
+    draft logits minus that logsumexp, as the PyTorch path defines them.
+
+Design
+    PyTorch's fastest CPU GEMM (oneDNN, bf16 output) rounds logits to bf16, and its only
+    fp32-output bf16 GEMM (MKL's) runs at the fp32 rate, 2-2.5x slower on AMX; a fused kernel
+    with fp32 accumulators has neither cost and reduces while the tile is in cache. The C
+    source ships in the package and is compiled on first use with the system C compiler (`cc`,
+    or $CC) into a per-user cache (`cache_dir()`), keyed by the source, the compiler and the
+    flags; `report()` builds it ahead (`make venv` calls it). It links
+    nothing but libc, so no OpenMP or MKL runtime is shared with torch: the walk starts its own
+    threads (torch's per-thread count, so a head pool worker's call runs on one) and keeps no
+    state between calls. AMX needs the tile state granted by the kernel (arch_prctl, as oneDNN
+    asks for it); that permission is the process's, asked once, and changes nothing else.
+
+Bit-identity
+    Every logit is summed in an order fixed by H; the vocabulary is cut into segments fixed by
+    V alone, whose per-token statistics are merged in segment order. So a call's bytes are the
+    same run to run and for any thread count. They differ from the MKL-based walk's by the
+    fp32 summation order (a few ulps of the logits), within the oracle's tolerance.
+
+Limits
+    AMX (Linux, x86-64, not capped by ISA_CAPS), a C compiler, bf16 weights, H a multiple of
+    32, finite logits provably (||y|| ||w|| < 2^120, from the screen's norm bounds); otherwise
+    `usable` is False and the PyTorch path runs. EAGLE_FAST_CPU_NATIVE=0 (read at import) turns
+    it off; `switched(on)` overrides that for the calls inside a block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ._cpu import hardware_isa, isa_capped
+
+SOURCE = Path(__file__).with_name("csrc") / "head_cpu.c"
+FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-fno-strict-aliasing", "-pthread")
+ENABLED = os.environ.get("EAGLE_FAST_CPU_NATIVE", "1") != "0"
+_ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("native_enabled", default=None)
+
+# Vocabulary segments: at most this many, each a multiple of 32 rows (set by V alone).
+SEGMENTS = 64
+# W rows per chunk (kept in L2 while every token block sweeps it) and packed-y bytes per token
+# group (kept in the last-level cache while every chunk sweeps it).
+CHUNK_BYTES = 1536 << 10
+GROUP_BYTES = 8 << 20
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """The compiled walk on or off for the calls made inside the block (this thread, and
+    threads running in a copy of its context)."""
+    token = _ENABLED.set(on)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def cache_dir() -> Path:
+    """Where built libraries go: $EAGLE_FAST_NATIVE_CACHE, else $XDG_CACHE_HOME/eagle_fast/native
+    (~/.cache/eagle_fast/native)."""
+    env = os.environ.get("EAGLE_FAST_NATIVE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "eagle_fast" / "native"
+
+
+_BUILD_ERROR: list[str] = []
+
+
+def build_error() -> str | None:
+    """Why `library()` is None (no compiler, a failed build), or None."""
+    return _BUILD_ERROR[0] if _BUILD_ERROR else None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _build(cc: str) -> Path:
+    """The library for this source, compiler and flags, built once (atomically) per cache."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode()])).hexdigest()[:16]
+    path = cache_dir() / f"head_cpu-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{cc} failed on {SOURCE}:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled walk, built on first use; None where it cannot be (see `build_error()`)."""
+    cc = _compiler()
+    if cc is None:
+        _BUILD_ERROR.append(f"no C compiler ({os.environ.get('CC', 'cc')}) on PATH")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        _BUILD_ERROR.append(str(exc))
+        return None
+    p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ef_amx_init.argtypes, lib.ef_amx_init.restype = [], i
+    lib.ef_pack_y.argtypes, lib.ef_pack_y.restype = [p, i64, i64, i64, p], None
+    lib.ef_draft_argmax.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, i64, i64, i64, i64,
+                                    p, p, p, p, i, i]
+    lib.ef_draft_argmax.restype = i
+    return lib
+
+
+@functools.cache
+def kind() -> str | None:
+    """"amx" where the walk runs here (AMX hardware, not capped, built, tile state granted),
+    else None."""
+    if hardware_isa() != "AMX" or isa_capped():
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    if lib.ef_amx_init() != 0:
+        _BUILD_ERROR.append("the kernel did not grant the AMX tile state (arch_prctl)")
+        return None
+    return "amx"
+
+
+def enabled() -> bool:
+    on = _ENABLED.get()
+    return ENABLED if on is None else on
+
+
+def usable(y: torch.Tensor, weight: torch.Tensor, logit_scale: float, softcap) -> bool:
+    """Whether `draft_argmax` may serve this call (the cheap checks; the norm bound is its own)."""
+    return (enabled() and y.device.type == "cpu" and y.dtype == weight.dtype == torch.bfloat16
+            and y.shape[1] % 32 == 0 and y.shape[1] > 0 and logit_scale == 1.0 and softcap is None
+            and weight.stride(1) == 1 and weight.shape[0] < 2**31 and kind() is not None)
+
+
+def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor, y_norm: torch.Tensor,
+                 w_norm_max: float, threads: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`(draft_logits fp32 [N, Vd], draft_lse fp32 [N], argmax int64 [N])`, or None (nothing
+    done) where the logits are not provably finite.
+
+    y bf16 [N, H] contiguous (the normalised activation); weight bf16 [V, H]; draft_ids sorted
+    int64 [Vd], Vd >= 1; y_norm fp32 [N] and w_norm_max upper bounds on the row norms
+    (`_torch_screen.norm_upper`). threads: torch's count for the calling thread by default; the
+    bytes do not depend on it.
+    """
+    N, H = y.shape
+    V = weight.shape[0]
+    Vd = draft_ids.numel()
+    y_max = float(y_norm.max())
+    if not (math.isfinite(y_max) and math.isfinite(w_norm_max) and y_max * w_norm_max < 2.0**120):
+        return None
+    lib = library()
+    KB, NB = H // 32, -(-N // 16)
+    yp = torch.empty(NB * KB * 256, dtype=torch.int32)
+    lib.ef_pack_y(y.data_ptr(), N, H, y.stride(0), yp.data_ptr())
+    seg = -(-(-(-V // SEGMENTS)) // 32) * 32
+    nseg = -(-V // seg)
+    chunk = max(32, min(seg, CHUNK_BYTES // (2 * H) // 32 * 32))
+    group = max(32, GROUP_BYTES // (2 * H) // 32 * 32)
+    n_pad = -(-N // 32) * 32
+    best = torch.full((nseg, n_pad), -math.inf)
+    dmax = torch.full((nseg, n_pad), -math.inf)
+    arg = torch.zeros(nseg, n_pad, dtype=torch.int32)
+    dsum = torch.zeros(nseg, n_pad, dtype=torch.float64)
+    draft = empty_huge((N, Vd), torch.float32)
+    ids = draft_ids.to(torch.int64).contiguous()
+    rc = lib.ef_draft_argmax(weight.data_ptr(), weight.stride(0), V, H, yp.data_ptr(), N, ids.data_ptr(), Vd,
+                             draft.data_ptr(), draft.stride(0), seg, chunk, group, best.data_ptr(),
+                             arg.data_ptr(), dmax.data_ptr(), dsum.data_ptr(), threads or torch.get_num_threads(), 1)
+    if rc == -2:
+        raise MemoryError("the compiled head walk could not allocate its draft maps")
+    best, arg, dmax, dsum = best[:, :N], arg[:, :N], dmax[:, :N], dsum[:, :N]
+    # Merge the segments in order: the first segment holding the max has the lowest id.
+    top = best.max(0).values
+    first = torch.where(best == top, torch.arange(nseg)[:, None], nseg).min(0).values
+    argmax = arg.gather(0, first[None]).squeeze(0).long()
+    m = dmax.max(0).values.double()
+    total = torch.zeros(N, dtype=torch.float64)
+    for s in range(nseg):
+        total += dsum[s] * torch.exp(dmax[s].double() - m)
+    lse = (m + torch.log(total)).float()
+    return draft, lse, argmax
+
+
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+
+
+@functools.cache
+def _madvise():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def empty_huge(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty, with transparent huge pages asked for the buffer's own range where it is
+    large (first touch of a fresh GB costs 2.4x more in 4 KiB pages here); advice on this
+    range only, gone when it is freed, and a no-op where THP is off."""
+    out = torch.empty(shape, dtype=dtype)
+    nbytes = out.numel() * out.element_size()
+    fn = _madvise()
+    if fn is not None and nbytes >= 8 * _HUGE:
+        start = (out.data_ptr() + _HUGE - 1) // _HUGE * _HUGE
+        end = (out.data_ptr() + nbytes) // _HUGE * _HUGE
+        if end > start:
+            fn(start, end - start, _MADV_HUGEPAGE)
+    return out
+
+
+def report() -> str:
+    """One line: whether the compiled walk runs here, and why not (builds it where it can)."""
+    library()
+    if kind():
+        return f"compiled head walk: {kind()}"
+    why = build_error()
+    if hardware_isa() != "AMX":
+        why = f"it needs AMX; this CPU has {hardware_isa()}"
+    elif isa_capped():
+        why = "AMX is capped here (kernels._cpu.ISA_CAPS)"
+    return f"compiled head walk: not used ({why})"

@@ -1,0 +1,340 @@
+/* The CPU head's fused draft + argmax walk: bf16 GEMM with fp32 accumulation, reduced in cache.
+
+What it does
+    For y bf16 [N, H] (the normalised activation) and W bf16 [V, H] (the LM head), one pass over
+    the vocabulary in id order computes every fp32 logit s[t, v] = y[t] . W[v] and keeps, per
+    token t:
+      - the argmax over all V columns (ties: the lowest id, as ids ascend);
+      - for the draft columns (dmap[v] >= 0, draft index dmap[v]): s itself, written to
+        draft[t, dmap[v]], and the running max and float64 sum of exp(s - max) of the draft
+        logsumexp.
+    Nothing [N, V] is ever written. Python (`kernels/_native.py`) packs y, builds dmap, merges
+    the per-segment statistics and subtracts the logsumexp.
+
+Design
+    The GEMM is computed transposed, s^T = W y^T, so W's rows are the A operand as they lie in
+    memory (no packing, no gather of the draft rows) and y is packed once per call into the
+    VNNI layout of the B operand. A [32 vocab x 32 token] block is four 16 x 16 fp32 tiles
+    (AMX: TDPBF16PS; AVX512-BF16: VDPBF16PS with broadcast weight pairs); each row of a tile
+    is one vocab id across 16 tokens, so the per-token reductions are lane-wise vector maxima
+    and sums, with no horizontal reduction. The vocabulary is cut into SEGMENTS fixed by V alone
+    (never by the thread count); a thread takes whole segments, and each segment keeps its own
+    per-token statistics, merged in segment order afterwards. Every logit's summation order is
+    fixed by H alone, so the result is the same bits for any thread count and any run.
+    Within a segment: chunks of W rows that stay in L2, each swept by every token block.
+
+Limits
+    H a multiple of 32; finite logits (the caller checks ||y|| ||w|| < 2^120); V < 2^31.
+    Products of bf16 values are exact in fp32; both instruction sets add them in fp32 with
+    denormals flushed (DAZ/FTZ), which the caller's error bounds cover.
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
+#define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
+
+/* Ask the kernel for the AMX tile state (Linux 5.16+); 0 when granted. */
+int ef_amx_init(void) {
+    unsigned long bitmask = 0;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) return -1;
+    if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bitmask)) return -2;
+    return (bitmask & (1UL << XFEATURE_XTILEDATA)) ? 0 : -3;
+}
+
+/* y bf16 [N, H] (row stride ldy) -> yp, the B operand in VNNI pairs: for each 16-token block tb
+   and 32-wide k block kb, 16 rows (k pairs) x 16 tokens x 2 values; tokens past N are zero. */
+void ef_pack_y(const uint16_t *y, int64_t N, int64_t H, int64_t ldy, uint32_t *yp) {
+    int64_t KB = H / 32, NB = (N + 15) / 16;
+    for (int64_t tb = 0; tb < NB; tb++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            uint32_t *dst = yp + (tb * KB + kb) * 256;
+            for (int t = 0; t < 16; t++) {
+                int64_t row = tb * 16 + t;
+                const uint32_t *src = (const uint32_t *)(y + row * ldy + kb * 32);
+                for (int p = 0; p < 16; p++) dst[p * 16 + t] = row < N ? src[p] : 0u;
+            }
+        }
+}
+
+typedef struct {
+    const uint16_t *w;  /* [V, H] bf16, row stride ldw */
+    int64_t ldw, V, H;
+    const uint32_t *yp; /* ef_pack_y's output */
+    int64_t N;
+    const uint32_t *dmask; /* [ceil(V / 32)]: which rows of each aligned 32-row block are draft ids */
+    const int32_t *dbase;  /* [ceil(V / 32)]: the draft index of each block's first draft row */
+    float *draft;        /* [N, Vd] fp32, row stride ld_draft (may be NULL with no draft ids) */
+    int64_t ld_draft;
+    int64_t seg_rows, nseg, chunk_rows, group_rows;
+    float *best, *dmax;  /* [nseg, Npad] */
+    int32_t *arg;
+    double *dsum;
+    int use_amx;
+    int next; /* the next segment to take */
+} job_t;
+
+/* exp(x) for x <= 0 (Cephes expf's polynomial, within 2 ulp); -inf and x < -103 give ~0. */
+static inline AVX512 __m512 vexp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Per-token state of one 16-token half of a block, held in registers across a chunk. */
+typedef struct {
+    __m512 best, dmax;
+    __m512i arg;
+    __m512d sum_lo, sum_hi;
+} lanes_t;
+
+/* Reduce one [rows x 16] fp32 slab c (row stride 32 floats: one vocab id per row, ids v0 + i)
+   into the lanes; write the draft rows to draft[t0 + lane, dmap[v]]. */
+static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, int64_t v0, int64_t t0,
+                                   lanes_t *s) {
+    /* argmax over every row: only rows that beat the running best matter */
+    __m512 bm = _mm512_loadu_ps(c);
+    for (int i = 1; i < rows; i++) bm = _mm512_max_ps(bm, _mm512_loadu_ps(c + 32 * i));
+    if (_mm512_cmp_ps_mask(bm, s->best, _CMP_GT_OQ)) {
+        for (int i = 0; i < rows; i++) {
+            __m512 x = _mm512_loadu_ps(c + 32 * i);
+            __mmask16 m = _mm512_cmp_ps_mask(x, s->best, _CMP_GT_OQ);
+            s->best = _mm512_mask_mov_ps(s->best, m, x);
+            s->arg = _mm512_mask_mov_epi32(s->arg, m, _mm512_set1_epi32((int32_t)(v0 + i)));
+        }
+    }
+    /* the draft rows: a bit mask per aligned 32-row block, their draft indices one run from
+       dbase (dmap ascends with v); bits are walked with tzcnt, so no branch depends on data */
+    uint32_t mask = job->dmask[v0 / 32];
+    if (rows < 32) mask &= (1u << rows) - 1u;
+    if (!mask) return;
+    __m512 m = s->dmax;
+    for (uint32_t b = mask; b; b &= b - 1) m = _mm512_max_ps(m, _mm512_loadu_ps(c + 32 * __builtin_ctz(b)));
+    __m512 acc = _mm512_setzero_ps();
+    for (uint32_t b = mask; b; b &= b - 1)
+        acc = _mm512_add_ps(acc, vexp(_mm512_sub_ps(_mm512_loadu_ps(c + 32 * __builtin_ctz(b)), m)));
+    /* each token's draft values are one contiguous run of its row: gathered from the block's
+       column t (rows of the mask, compressed), stored with one masked store */
+    const __m512i iota32 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(32));
+    __mmask16 lo = (__mmask16)(mask & 0xFFFF), hi = (__mmask16)(mask >> 16);
+    int n_lo = __builtin_popcount(lo), n_hi = __builtin_popcount(hi);
+    __m512i idx_lo = _mm512_maskz_compress_epi32(lo, iota32);
+    __m512i idx_hi = _mm512_maskz_compress_epi32(hi, _mm512_add_epi32(iota32, _mm512_set1_epi32(16 * 32)));
+    __mmask16 k_lo = (__mmask16)((1u << n_lo) - 1u), k_hi = (__mmask16)((1u << n_hi) - 1u);
+    int64_t n_live = job->N - t0 < 16 ? job->N - t0 : 16;
+    float *dst = job->draft + t0 * job->ld_draft + job->dbase[v0 / 32];
+    for (int64_t t = 0; t < n_live; t++, dst += job->ld_draft) {
+        __m512i tt = _mm512_set1_epi32((int32_t)t);
+        if (k_lo)
+            _mm512_mask_storeu_ps(dst, k_lo, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k_lo,
+                                                                      _mm512_add_epi32(idx_lo, tt), c, 4));
+        if (k_hi)
+            _mm512_mask_storeu_ps(dst + n_lo, k_hi, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k_hi,
+                                                                             _mm512_add_epi32(idx_hi, tt), c, 4));
+    }
+    __m512 scale = vexp(_mm512_sub_ps(s->dmax, m));
+    __m256 acc_lo = _mm512_castps512_ps256(acc), acc_hi = _mm512_extractf32x8_ps(acc, 1);
+    __m256 sc_lo = _mm512_castps512_ps256(scale), sc_hi = _mm512_extractf32x8_ps(scale, 1);
+    s->sum_lo = _mm512_fmadd_pd(s->sum_lo, _mm512_cvtps_pd(sc_lo), _mm512_cvtps_pd(acc_lo));
+    s->sum_hi = _mm512_fmadd_pd(s->sum_hi, _mm512_cvtps_pd(sc_hi), _mm512_cvtps_pd(acc_hi));
+    s->dmax = m;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* One [32 vocab x 32 token] block of s^T into c [32][32] fp32: AMX tiles 0-3 accumulate,
+   4-5 hold W's two 16-row halves, 6-7 the two 16-token halves of yp. */
+static inline AMX void block_amx(const uint16_t *w, int64_t ldw, const uint32_t *yp0, const uint32_t *yp1,
+                                 int64_t KB, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        _tile_loadd(4, w + kb * 32, ldw * 2);
+        _tile_loadd(5, w + 16 * ldw + kb * 32, ldw * 2);
+        _tile_loadd(6, yp0 + kb * 256, 64);
+        _tile_loadd(7, yp1 + kb * 256, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+/* The same block with VDPBF16PS: 8 vocab rows x 32 tokens per pass, 16 accumulators. */
+static inline AVX512 void block_avx512(const uint16_t *w, int64_t ldw, const uint32_t *yp0, const uint32_t *yp1,
+                                       int64_t KB, float *c) {
+    for (int r0 = 0; r0 < 32; r0 += 8) {
+        __m512 acc[8][2];
+        for (int i = 0; i < 8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+        for (int64_t kb = 0; kb < KB; kb++) {
+            for (int p = 0; p < 16; p++) {
+                __m512bh b0 = (__m512bh)_mm512_loadu_si512(yp0 + kb * 256 + p * 16);
+                __m512bh b1 = (__m512bh)_mm512_loadu_si512(yp1 + kb * 256 + p * 16);
+                for (int i = 0; i < 8; i++) {
+                    uint32_t pair;
+                    memcpy(&pair, w + (r0 + i) * ldw + kb * 32 + 2 * p, 4);
+                    __m512bh a = (__m512bh)_mm512_set1_epi32((int32_t)pair);
+                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+                }
+            }
+        }
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(c + (r0 + i) * 32, acc[i][0]);
+            _mm512_storeu_ps(c + (r0 + i) * 32 + 16, acc[i][1]);
+        }
+    }
+}
+
+static AVX512 void load_lanes(const job_t *job, int64_t seg, int64_t t0, lanes_t *s) {
+    int64_t off = seg * ((job->N + 31) / 32 * 32) + t0;
+    s->best = _mm512_loadu_ps(job->best + off);
+    s->dmax = _mm512_loadu_ps(job->dmax + off);
+    s->arg = _mm512_loadu_si512(job->arg + off);
+    s->sum_lo = _mm512_loadu_pd(job->dsum + off);
+    s->sum_hi = _mm512_loadu_pd(job->dsum + off + 8);
+}
+
+static AVX512 void store_lanes(const job_t *job, int64_t seg, int64_t t0, const lanes_t *s) {
+    int64_t off = seg * ((job->N + 31) / 32 * 32) + t0;
+    _mm512_storeu_ps(job->best + off, s->best);
+    _mm512_storeu_ps(job->dmax + off, s->dmax);
+    _mm512_storeu_si512(job->arg + off, s->arg);
+    _mm512_storeu_pd(job->dsum + off, s->sum_lo);
+    _mm512_storeu_pd(job->dsum + off + 8, s->sum_hi);
+}
+
+static AMX void run_segment(job_t *job, int64_t seg, uint16_t *tail_w, float *c) {
+    const int64_t H = job->H, KB = H / 32, ldw = job->ldw;
+    const int64_t v_begin = seg * job->seg_rows;
+    const int64_t v_end = v_begin + job->seg_rows < job->V ? v_begin + job->seg_rows : job->V;
+    /* token groups of group_rows tokens: the packed y a chunk sweeps stays in the last-level cache */
+    for (int64_t g0 = 0; g0 < job->N; g0 += job->group_rows) {
+        int64_t g1 = g0 + job->group_rows < job->N ? g0 + job->group_rows : job->N;
+        for (int64_t c0 = v_begin; c0 < v_end; c0 += job->chunk_rows) {
+            int64_t c1 = c0 + job->chunk_rows < v_end ? c0 + job->chunk_rows : v_end;
+            for (int64_t t0 = g0; t0 < g1; t0 += 32) {
+                const uint32_t *yp0 = job->yp + (t0 / 16) * KB * 256;
+                const uint32_t *yp1 = yp0 + KB * 256;
+                lanes_t s0, s1;
+                load_lanes(job, seg, t0, &s0);
+                load_lanes(job, seg, t0 + 16, &s1);
+                for (int64_t v0 = c0; v0 < c1; v0 += 32) {
+                    int rows = c1 - v0 < 32 ? (int)(c1 - v0) : 32;
+                    const uint16_t *w = job->w + v0 * ldw;
+                    int64_t ld = ldw;
+                    if (rows < 32) { /* the last rows of W: a zero-padded copy, never a read past W */
+                        memset(tail_w, 0, 32 * H * 2);
+                        for (int i = 0; i < rows; i++) memcpy(tail_w + i * H, w + i * ldw, H * 2);
+                        w = tail_w;
+                        ld = H;
+                    }
+                    if (job->use_amx)
+                        block_amx(w, ld, yp0, yp1, KB, c);
+                    else
+                        block_avx512(w, ld, yp0, yp1, KB, c);
+                    epilogue(job, c, rows, v0, t0, &s0);
+                    if (t0 + 16 < job->N) epilogue(job, c + 16, rows, v0, t0 + 16, &s1);
+                }
+                store_lanes(job, seg, t0, &s0);
+                store_lanes(job, seg, t0 + 16, &s1);
+            }
+        }
+    }
+}
+
+static AMX void *worker(void *arg) {
+    job_t *job = (job_t *)arg;
+    if (job->use_amx) {
+        tilecfg_t cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) {
+            cfg.colsb[i] = 64;
+            cfg.rows[i] = 16;
+        }
+        _tile_loadconfig(&cfg);
+    }
+    uint16_t *tail_w = aligned_alloc(64, (size_t)(32 * job->H * 2 + 64) / 64 * 64);
+    float *c = aligned_alloc(64, 32 * 32 * 4);
+    for (;;) {
+        int64_t seg = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (seg >= job->nseg) break;
+        run_segment(job, seg, tail_w, c);
+    }
+    free(tail_w);
+    free(c);
+    if (job->use_amx) _tile_release();
+    return NULL;
+}
+
+/* The walk (see the header). best/dmax/arg/dsum: [nseg, Npad] (Npad = N rounded up to 32),
+   set up by the caller (best, dmax -inf; arg 0; dsum 0). Returns 0, or -1 when a thread could
+   not start (the walk then ran on fewer threads, with the same result). */
+int ef_draft_argmax(const uint16_t *w, int64_t ldw, int64_t V, int64_t H, const uint32_t *yp, int64_t N,
+                    const int64_t *draft_ids, int64_t Vd, float *draft, int64_t ld_draft, int64_t seg_rows,
+                    int64_t chunk_rows, int64_t group_rows, float *best, int32_t *arg, float *dmax, double *dsum, int nthreads,
+                    int use_amx) {
+    int64_t nblk = (V + 31) / 32;
+    uint32_t *dmask = calloc(nblk, sizeof *dmask);
+    int32_t *dbase = calloc(nblk, sizeof *dbase);
+    if (!dmask || !dbase) {
+        free(dmask);
+        free(dbase);
+        return -2;
+    }
+    for (int64_t d = Vd - 1; d >= 0; d--) { /* ascending ids: the lowest index of a block wins */
+        dmask[draft_ids[d] / 32] |= 1u << (draft_ids[d] % 32);
+        dbase[draft_ids[d] / 32] = (int32_t)d;
+    }
+    job_t job = {w, ldw, V, H, yp, N, dmask, dbase, draft, ld_draft, seg_rows, (V + seg_rows - 1) / seg_rows,
+                 chunk_rows, group_rows, best, dmax, arg, dsum, use_amx, 0};
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > job.nseg) nthreads = (int)job.nseg;
+    pthread_t *th = calloc(nthreads, sizeof *th);
+    int rc = 0, started = 0;
+    for (int i = 1; i < nthreads; i++) {
+        if (pthread_create(&th[i], NULL, worker, &job)) {
+            rc = -1;
+            break;
+        }
+        started = i;
+    }
+    worker(&job);
+    for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
+    free(th);
+    free(dmask);
+    free(dbase);
+    return rc;
+}

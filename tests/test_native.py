@@ -1,0 +1,173 @@
+"""The CPU head's compiled walk (`eagle_fast.kernels._native`, `kernels/csrc/head_cpu.c`).
+
+What: ("draft", "argmax") on bf16 weights through `lm_head`, which takes the compiled walk where
+`_native.kind()` names one (AMX, uncapped) and the PyTorch path elsewhere (AVX2, the
+AVX2-capped pass, no compiler):
+  - the oracle rule of tests/test_lm_head.py (float outputs within 2x the same-dtype
+    yardstick's error + atol; ids by value) on shapes with every tail (N, V not multiples of
+    32; one draft id; every id a draft id; several segments), fp32 and bf16 out_dtype;
+  - exact ties on small-integer data go to the lowest id, across segments and between draft
+    and other columns;
+  - the same bytes run to run, for 1, 2 and 3 threads, and per token whatever else is in
+    the call (rows alone vs in a batch);
+  - the fallbacks: logits not provably finite, H not a multiple of 32, switched off, no C
+    compiler (with the reason named); the build is cached and atomic.
+"""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import pytest
+import torch
+from _assert import assert_close, assert_ids_equal
+from _oracle import lm_head_oracle
+from eagle_fast.kernels import _native, lm_head, lm_head_torch
+
+HERE = _native.kind() is not None
+ATOL, RTOL = 1e-4, 1e-5
+OUT_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-7}
+
+
+def _inputs(n, h, v, vd, seed, logit_std=4.0, draft=None):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * logit_std / math.sqrt(h)).bfloat16()
+    norm_weight = (1 + 0.2 * torch.randn(h, generator=g)).bfloat16()
+    ids = torch.randperm(v, generator=g)[:vd].sort().values if draft is None else draft
+    return hidden, weight, norm_weight, ids
+
+
+def _call(hidden, weight, norm_weight, ids, **kw):
+    """lm_head's ("draft", "argmax") and whether the compiled walk served it."""
+    real = _native.draft_argmax
+    served = []
+
+    def spy(*a, **k):
+        got = real(*a, **k)
+        served.append(got is not None)
+        return got
+
+    with mock.patch.object(lm_head_torch, "native_draft_argmax", spy):
+        out = lm_head(hidden, weight, norm_weight, outputs=("draft", "argmax"), draft_ids=ids,
+                      impl="torch", **kw)
+    return out, any(served)
+
+
+def _check_oracle(out, hidden, weight, norm_weight, ids, out_dtype=torch.float32, exact_ids=False):
+    oracle = lm_head_oracle(hidden, weight, norm_weight, draft_ids=ids)
+    yard = lm_head_oracle(hidden, weight, norm_weight, draft_ids=ids, same_dtype=True)
+    err_same = float((yard.draft_logprobs.double() - oracle.draft_logprobs).abs().max())
+    assert out.draft_logprobs.dtype == out_dtype
+    assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=2 * err_same + ATOL,
+                 rtol=RTOL + OUT_ULP[out_dtype], name=f"draft_logprobs (same-dtype error {err_same:.3g})")
+    logit_tol = (2 * float((yard.logits.double() - oracle.logits).abs().max()) + ATOL
+                 + RTOL * float(oracle.logits.abs().max()))
+    got = oracle.logits.gather(-1, out.argmax[:, None]).squeeze(-1)
+    assert_close(got, oracle.logits.max(-1).values, atol=logit_tol, rtol=0, name="oracle logit at argmax")
+    if exact_ids:
+        assert_ids_equal(out.argmax, oracle.argmax, name="argmax")
+    assert_ids_equal(out.argmax_in_draft, torch.isin(out.argmax, ids), name="argmax_in_draft")
+
+
+@pytest.mark.parametrize("n,h,v,vd", [
+    (1, 32, 100, 1),          # one token, one draft id, one 100-row tail block
+    (37, 64, 1000, 300),      # N and V off the 32-grid
+    (100, 96, 777, 777),      # every id a draft id
+    (65, 128, 4099, 2000),    # many segments (V / 64 rows each), a 3-row tail
+    (48, 256, 2048, 64),      # few draft ids, aligned everything
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_oracle(n, h, v, vd, out_dtype):
+    hidden, weight, norm_weight, ids = _inputs(n, h, v, vd, seed=n * 7 + v)
+    out, served = _call(hidden, weight, norm_weight, ids, out_dtype=out_dtype)
+    assert served == HERE, f"compiled walk served: {served}, available here: {_native.report()}"
+    _check_oracle(out, hidden, weight, norm_weight, ids, out_dtype)
+
+
+def test_first_and_last_ids_in_the_draft():
+    v = 1000
+    ids = torch.tensor([0, 1, 31, 32, 500, v - 33, v - 2, v - 1])
+    hidden, weight, norm_weight, ids = _inputs(20, 64, v, 0, seed=5, draft=ids)
+    out, served = _call(hidden, weight, norm_weight, ids)
+    assert served == HERE
+    _check_oracle(out, hidden, weight, norm_weight, ids)
+
+
+def test_large_logits_keep_the_logsumexp():
+    hidden, weight, norm_weight, ids = _inputs(33, 64, 1500, 400, seed=9, logit_std=60.0)
+    out, served = _call(hidden, weight, norm_weight, ids)
+    assert served == HERE
+    _check_oracle(out, hidden, weight, norm_weight, ids)
+
+
+def test_exact_ties_go_to_the_lowest_id():
+    """Small-integer data: every logit is exact in any order, and each row's max repeats in
+    many columns of several segments, draft and not; the lowest id must win."""
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 40, 32, 4099
+    hidden = torch.randint(-2, 3, (n, h), generator=g).bfloat16()
+    weight = torch.randint(-2, 3, (20, h), generator=g).bfloat16()[torch.randint(0, 20, (v,), generator=g)]
+    ids = torch.randperm(v, generator=g)[:1500].sort().values
+    out, served = _call(hidden, weight, None, ids, norm="none")
+    assert served == HERE
+    oracle = lm_head_oracle(hidden, weight, None, norm="none", draft_ids=ids)
+    assert_ids_equal(out.argmax, oracle.argmax, name="argmax")
+    assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=1e-5, rtol=1e-6, name="draft_logprobs")
+
+
+@pytest.mark.skipif(not HERE, reason=f"the compiled walk does not run here: {_native.report()}")
+def test_same_bytes_run_to_run_and_for_any_thread_count():
+    hidden, weight, _, ids = _inputs(200, 128, 3001, 900, seed=11)
+    from eagle_fast.kernels._torch_screen import norm_upper
+
+    y_norm, w_max = norm_upper(hidden), float(norm_upper(weight).max())
+    runs = [_native.draft_argmax(hidden, weight, ids, y_norm, w_max, threads=t) for t in (1, 2, 3, 2)]
+    for run in runs[1:]:
+        for a, b in zip(runs[0], run):
+            assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
+                               b.view(torch.uint8) if b.is_floating_point() else b)
+    # a token's bytes do not depend on the other rows of its call
+    alone = _native.draft_argmax(hidden[150:151], weight, ids, y_norm[150:151], w_max)
+    for a, b in zip(alone, runs[0]):
+        assert torch.equal(a[0], b[150])
+
+
+def test_falls_back_where_it_cannot_promise_finite_logits():
+    hidden, weight, norm_weight, ids = _inputs(40, 64, 600, 100, seed=2)
+    weight = weight.clone()
+    weight[7, 3] = float("inf")
+    out, served = _call(hidden, weight, norm_weight, ids)
+    assert not served
+    with _native.switched(False):
+        ref = lm_head(hidden, weight, norm_weight, outputs=("draft", "argmax"), draft_ids=ids, impl="torch")
+    assert torch.equal(out.argmax, ref.argmax)
+    assert torch.equal(out.draft_logprobs.isnan(), ref.draft_logprobs.isnan())
+
+
+def test_other_shapes_and_switches_take_the_pytorch_path():
+    hidden, weight, norm_weight, ids = _inputs(40, 48, 600, 100, seed=4)  # H not a multiple of 32
+    assert not _call(hidden, weight, norm_weight, ids)[1]
+    hidden, weight, norm_weight, ids = _inputs(40, 64, 600, 100, seed=4)
+    with _native.switched(False):
+        assert not _call(hidden, weight, norm_weight, ids)[1]
+    assert not _call(hidden, weight, norm_weight, ids, softcap=30.0)[1]
+    out, served = _call(hidden.float(), weight.float(), norm_weight.float(), ids)
+    assert not served
+
+
+def test_without_a_compiler_the_reason_is_named(monkeypatch):
+    monkeypatch.setattr(_native, "_compiler", lambda: None)
+    monkeypatch.setattr(_native, "_BUILD_ERROR", [])
+    assert _native.library.__wrapped__() is None
+    assert "no C compiler" in _native.build_error()
+
+
+@pytest.mark.skipif(_native._compiler() is None, reason="no C compiler here")
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_FAST_NATIVE_CACHE", str(tmp_path))
+    first = _native._build(_native._compiler())
+    stamp = first.stat().st_mtime_ns
+    assert _native._build(_native._compiler()) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
