@@ -109,7 +109,8 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              check=False)
         if proc.returncode:
             raise RuntimeError(f"{cc} failed on {SOURCE}:\n{proc.stderr[-2000:]}")
         os.replace(tmp, path)
@@ -185,14 +186,14 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     if not (math.isfinite(y_max) and math.isfinite(w_norm_max) and y_max * w_norm_max < 2.0**120):
         return None
     lib = library()
-    KB, NB = H // 32, -(-N // 16)
+    KB, NB = H // 32, _round_up(N, 16) // 16
     yp = torch.empty(NB * KB * 256, dtype=torch.int32)
     lib.ef_pack_y(y.data_ptr(), N, H, y.stride(0), yp.data_ptr())
-    seg = -(-(-(-V // SEGMENTS)) // 32) * 32
-    nseg = -(-V // seg)
+    seg = _round_up(_round_up(V, SEGMENTS) // SEGMENTS, 32)
+    nseg = _round_up(V, seg) // seg
     chunk = max(32, min(seg, CHUNK_BYTES // (2 * H) // 32 * 32))
     group = max(32, GROUP_BYTES // (2 * H) // 32 * 32)
-    n_pad = -(-N // 32) * 32
+    n_pad = _round_up(N, 32)
     best = torch.full((nseg, n_pad), -math.inf)
     dmax = torch.full((nseg, n_pad), -math.inf)
     arg = torch.zeros(nseg, n_pad, dtype=torch.int32)
@@ -215,6 +216,10 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
         total += dsum[s] * torch.exp(dmax[s].double() - m)
     lse = (m + torch.log(total)).float()
     return draft, lse, argmax
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
 
 
 _MADV_HUGEPAGE = 14

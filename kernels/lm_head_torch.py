@@ -52,10 +52,10 @@ import torch
 
 from ._common import HeadOutput, HeadRequest, empty_output, phase
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
-from ._torch_draft import draft_log_softmax, draft_topk_outputs
-from ._torch_running import RunningTopK, update_argmax
 from ._native import draft_argmax as native_draft_argmax
 from ._native import usable as native_usable
+from ._torch_draft import draft_log_softmax, draft_topk_outputs
+from ._torch_running import RunningTopK, update_argmax
 from ._torch_screen import norm_upper, screen_enabled, screen_rest, weight_norms
 
 # CPU tiling: a [R, C] fp32 logits tile of 4 MiB (R = 1024 rows at C = 1024) and an fp32
