@@ -136,7 +136,7 @@ def library() -> ctypes.CDLL | None:
     lib.ef_amx_init.argtypes, lib.ef_amx_init.restype = [], i
     lib.ef_pack_y.argtypes, lib.ef_pack_y.restype = [p, i64, i64, i64, p], None
     lib.ef_draft_argmax.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, i64, i64, i64, i64,
-                                    p, p, p, p, i, i]
+                                    p, p, p, p, p, i, i]
     lib.ef_draft_argmax.restype = i
     return lib
 
@@ -169,10 +169,11 @@ def usable(y: torch.Tensor, weight: torch.Tensor, logit_scale: float, softcap) -
 
 
 def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor, y_norm: torch.Tensor,
-                 w_norm_max: float, threads: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """`(draft_logits fp32 [N, Vd], draft_lse fp32 [N], argmax int64 [N])`, or None (nothing
-    done) where the logits are not provably finite.
+                 w_norm_max: float, threads: int | None = None, lse: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """`(draft_logits fp32 [N, Vd], draft_lse fp32 [N], argmax int64 [N], lse fp32 [N] or
+    None)`, or None (nothing done) where the logits are not provably finite. `lse`: the
+    full-vocabulary logsumexp too (an exp of every logit, in the same pass).
 
     y bf16 [N, H] contiguous (the normalised activation); weight bf16 [V, H]; draft_ids sorted
     int64 [Vd], Vd >= 1; y_norm fp32 [N] and w_norm_max upper bounds on the row norms
@@ -198,11 +199,13 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     dmax = torch.full((nseg, n_pad), -math.inf)
     arg = torch.zeros(nseg, n_pad, dtype=torch.int32)
     dsum = torch.zeros(nseg, n_pad, dtype=torch.float64)
+    asum = torch.zeros(nseg, n_pad, dtype=torch.float64) if lse else None
     draft = empty_huge((N, Vd), torch.float32)
     ids = draft_ids.to(torch.int64).contiguous()
     rc = lib.ef_draft_argmax(weight.data_ptr(), weight.stride(0), V, H, yp.data_ptr(), N, ids.data_ptr(), Vd,
                              draft.data_ptr(), draft.stride(0), seg, chunk, group, best.data_ptr(),
-                             arg.data_ptr(), dmax.data_ptr(), dsum.data_ptr(), threads or torch.get_num_threads(), 1)
+                             arg.data_ptr(), dmax.data_ptr(), dsum.data_ptr(), None if asum is None else asum.data_ptr(),
+                             threads or torch.get_num_threads(), 1)
     if rc == -2:
         raise MemoryError("the compiled head walk could not allocate its draft maps")
     best, arg, dmax, dsum = best[:, :N], arg[:, :N], dmax[:, :N], dsum[:, :N]
@@ -210,12 +213,18 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     top = best.max(0).values
     first = torch.where(best == top, torch.arange(nseg)[:, None], nseg).min(0).values
     argmax = arg.gather(0, first[None]).squeeze(0).long()
-    m = dmax.max(0).values.double()
-    total = torch.zeros(N, dtype=torch.float64)
-    for s in range(nseg):
-        total += dsum[s] * torch.exp(dmax[s].double() - m)
-    lse = (m + torch.log(total)).float()
-    return draft, lse, argmax
+    full_lse = None if asum is None else _merged_lse(best, asum[:, :N])
+    return draft, _merged_lse(dmax, dsum), argmax, full_lse
+
+
+def _merged_lse(maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """fp32 [N]: log(sum_s sums[s] exp(maxima[s] - M)) + M, M the max over segments s, taken in
+    segment order (elementwise: the same bytes for any thread count)."""
+    m = maxima.max(0).values.double()
+    total = torch.zeros_like(m)
+    for s in range(maxima.shape[0]):
+        total += sums[s] * torch.exp(maxima[s].double() - m)
+    return (m + torch.log(total)).float()
 
 
 def _round_up(n: int, m: int) -> int:

@@ -334,14 +334,15 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
             starts = torch.tensor([c0 for c0, _ in chunks] + [V], device=dev)
             bounds = torch.searchsorted(draft_ids, starts).tolist()
 
-    if (keep_draft and draft_first and not (need_lse or k) and on_cpu
+    if (keep_draft and draft_first and not k and on_cpu
             and native_usable(y, weight, req.logit_scale, req.softcap)):
-        # ("draft", "argmax") on AMX: the compiled walk (`_native`), every column in one pass
+        # ("draft", "argmax"[, "lse"]) on AMX: the compiled walk (`_native`), every column in one pass
         with phase("gemm"):
-            got = native_draft_argmax(y, weight, draft_ids, norm_upper(y), weight_norms(weight).max().item())
+            got = native_draft_argmax(y, weight, draft_ids, norm_upper(y), weight_norms(weight).max().item(),
+                                      lse=need_lse)
         if got is not None:
-            draft_buf, draft_lse, run_arg = got
-            out = HeadOutput(lse=None, argmax=run_arg)
+            draft_buf, draft_lse, run_arg, lse = got
+            out = HeadOutput(lse=lse, argmax=run_arg)
             with phase("copy-out"):
                 out.draft_logprobs = draft_log_softmax(draft_buf, draft_lse, req.out_dtype, R * C)
             pos = torch.searchsorted(draft_ids, run_arg).clamp_max(Vd - 1)

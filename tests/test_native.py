@@ -39,8 +39,8 @@ def _inputs(n, h, v, vd, seed, logit_std=4.0, draft=None):
     return hidden, weight, norm_weight, ids
 
 
-def _call(hidden, weight, norm_weight, ids, **kw):
-    """lm_head's ("draft", "argmax") and whether the compiled walk served it."""
+def _call(hidden, weight, norm_weight, ids, outputs=("draft", "argmax"), **kw):
+    """lm_head's `outputs` and whether the compiled walk served the call."""
     real = _native.draft_argmax
     served = []
 
@@ -50,8 +50,7 @@ def _call(hidden, weight, norm_weight, ids, **kw):
         return got
 
     with mock.patch.object(lm_head_torch, "native_draft_argmax", spy):
-        out = lm_head(hidden, weight, norm_weight, outputs=("draft", "argmax"), draft_ids=ids,
-                      impl="torch", **kw)
+        out = lm_head(hidden, weight, norm_weight, outputs=outputs, draft_ids=ids, impl="torch", **kw)
     return out, any(served)
 
 
@@ -62,6 +61,9 @@ def _check_oracle(out, hidden, weight, norm_weight, ids, out_dtype=torch.float32
     assert out.draft_logprobs.dtype == out_dtype
     assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=2 * err_same + ATOL,
                  rtol=RTOL + OUT_ULP[out_dtype], name=f"draft_logprobs (same-dtype error {err_same:.3g})")
+    if out.lse is not None:
+        err_same = float((yard.lse.double() - oracle.lse).abs().max())
+        assert_close(out.lse, oracle.lse, atol=2 * err_same + ATOL, rtol=RTOL, name=f"lse (same-dtype error {err_same:.3g})")
     logit_tol = (2 * float((yard.logits.double() - oracle.logits).abs().max()) + ATOL
                  + RTOL * float(oracle.logits.abs().max()))
     got = oracle.logits.gather(-1, out.argmax[:, None]).squeeze(-1)
@@ -79,10 +81,12 @@ def _check_oracle(out, hidden, weight, norm_weight, ids, out_dtype=torch.float32
     (48, 256, 2048, 64),      # few draft ids, aligned everything
 ])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_matches_oracle(n, h, v, vd, out_dtype):
+@pytest.mark.parametrize("outputs", [("draft", "argmax"), ("draft", "lse")], ids=["draft", "draft+lse"])
+def test_matches_oracle(n, h, v, vd, out_dtype, outputs):
     hidden, weight, norm_weight, ids = _inputs(n, h, v, vd, seed=n * 7 + v)
-    out, served = _call(hidden, weight, norm_weight, ids, out_dtype=out_dtype)
+    out, served = _call(hidden, weight, norm_weight, ids, outputs, out_dtype=out_dtype)
     assert served == HERE, f"compiled walk served: {served}, available here: {_native.report()}"
+    assert (out.lse is not None) == ("lse" in outputs)
     _check_oracle(out, hidden, weight, norm_weight, ids, out_dtype)
 
 
@@ -97,7 +101,7 @@ def test_first_and_last_ids_in_the_draft():
 
 def test_large_logits_keep_the_logsumexp():
     hidden, weight, norm_weight, ids = _inputs(33, 64, 1500, 400, seed=9, logit_std=60.0)
-    out, served = _call(hidden, weight, norm_weight, ids)
+    out, served = _call(hidden, weight, norm_weight, ids, ("draft", "lse"))
     assert served == HERE
     _check_oracle(out, hidden, weight, norm_weight, ids)
 
@@ -110,10 +114,11 @@ def test_exact_ties_go_to_the_lowest_id():
     hidden = torch.randint(-2, 3, (n, h), generator=g).bfloat16()
     weight = torch.randint(-2, 3, (20, h), generator=g).bfloat16()[torch.randint(0, 20, (v,), generator=g)]
     ids = torch.randperm(v, generator=g)[:1500].sort().values
-    out, served = _call(hidden, weight, None, ids, norm="none")
+    out, served = _call(hidden, weight, None, ids, ("draft", "lse"), norm="none")
     assert served == HERE
     oracle = lm_head_oracle(hidden, weight, None, norm="none", draft_ids=ids)
     assert_ids_equal(out.argmax, oracle.argmax, name="argmax")
+    assert_close(out.lse, oracle.lse, atol=1e-5, rtol=1e-6, name="lse")
     assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=1e-5, rtol=1e-6, name="draft_logprobs")
 
 
@@ -123,13 +128,13 @@ def test_same_bytes_run_to_run_and_for_any_thread_count():
     from eagle_fast.kernels._torch_screen import norm_upper
 
     y_norm, w_max = norm_upper(hidden), float(norm_upper(weight).max())
-    runs = [_native.draft_argmax(hidden, weight, ids, y_norm, w_max, threads=t) for t in (1, 2, 3, 2)]
+    runs = [_native.draft_argmax(hidden, weight, ids, y_norm, w_max, threads=t, lse=True) for t in (1, 2, 3, 2)]
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
                                b.view(torch.uint8) if b.is_floating_point() else b)
     # a token's bytes do not depend on the other rows of its call
-    alone = _native.draft_argmax(hidden[150:151], weight, ids, y_norm[150:151], w_max)
+    alone = _native.draft_argmax(hidden[150:151], weight, ids, y_norm[150:151], w_max, lse=True)
     for a, b in zip(alone, runs[0]):
         assert torch.equal(a[0], b[150])
 
@@ -153,6 +158,7 @@ def test_other_shapes_and_switches_take_the_pytorch_path():
     with _native.switched(False):
         assert not _call(hidden, weight, norm_weight, ids)[1]
     assert not _call(hidden, weight, norm_weight, ids, softcap=30.0)[1]
+    assert not _call(hidden, weight, norm_weight, ids, ("draft", "topk"), k=4)[1]
     assert not _call(hidden.float(), weight.float(), norm_weight.float(), ids)[1]
 
 

@@ -5,6 +5,7 @@ What it does
     the vocabulary in id order computes every fp32 logit s[t, v] = y[t] . W[v] and keeps, per
     token t:
       - the argmax over all V columns (ties: the lowest id, as ids ascend);
+      - with the lse asked for, the float64 sum of exp(s - best) over every column;
       - for the draft columns (dmap[v] >= 0, draft index dmap[v]): s itself, written to
         draft[t, dmap[v]], and the running max and float64 sum of exp(s - max) of the draft
         logsumexp.
@@ -80,6 +81,7 @@ typedef struct {
     float *best, *dmax;  /* [nseg, Npad] */
     int32_t *arg;
     double *dsum;
+    double *asum; /* [nseg, Npad] or NULL: the sum of exp(s - best) over every column (lse) */
     int use_amx;
     int next; /* the next segment to take */
 } job_t;
@@ -105,8 +107,17 @@ static inline AVX512 __m512 vexp(__m512 x) {
 typedef struct {
     __m512 best, dmax;
     __m512i arg;
-    __m512d sum_lo, sum_hi;
+    __m512d sum_lo, sum_hi;   /* draft columns, relative to dmax */
+    __m512d asum_lo, asum_hi; /* every column, relative to best (when the lse is asked for) */
 } lanes_t;
+
+/* acc (16 fp32 lanes) added to sum (two halves of 8 float64) after scaling sum by scale */
+static inline AVX512 void rescale_add(__m512d *lo, __m512d *hi, __m512 scale, __m512 acc) {
+    *lo = _mm512_fmadd_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(scale)),
+                          _mm512_cvtps_pd(_mm512_castps512_ps256(acc)));
+    *hi = _mm512_fmadd_pd(*hi, _mm512_cvtps_pd(_mm512_extractf32x8_ps(scale, 1)),
+                          _mm512_cvtps_pd(_mm512_extractf32x8_ps(acc, 1)));
+}
 
 /* Reduce one [rows x 16] fp32 slab c (row stride 32 floats: one vocab id per row, ids v0 + i)
    into the lanes; write the draft rows to draft[t0 + lane, dmap[v]]. */
@@ -115,6 +126,7 @@ static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, i
     /* argmax over every row: only rows that beat the running best matter */
     __m512 bm = _mm512_loadu_ps(c);
     for (int i = 1; i < rows; i++) bm = _mm512_max_ps(bm, _mm512_loadu_ps(c + 32 * i));
+    __m512 old_best = s->best;
     if (_mm512_cmp_ps_mask(bm, s->best, _CMP_GT_OQ)) {
         for (int i = 0; i < rows; i++) {
             __m512 x = _mm512_loadu_ps(c + 32 * i);
@@ -122,6 +134,11 @@ static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, i
             s->best = _mm512_mask_mov_ps(s->best, m, x);
             s->arg = _mm512_mask_mov_epi32(s->arg, m, _mm512_set1_epi32((int32_t)(v0 + i)));
         }
+    }
+    if (job->asum) { /* the full-vocabulary logsumexp, relative to the running best */
+        __m512 acc = _mm512_setzero_ps();
+        for (int i = 0; i < rows; i++) acc = _mm512_add_ps(acc, vexp(_mm512_sub_ps(_mm512_loadu_ps(c + 32 * i), s->best)));
+        rescale_add(&s->asum_lo, &s->asum_hi, vexp(_mm512_sub_ps(old_best, s->best)), acc);
     }
     /* the draft rows: a bit mask per aligned 32-row block, their draft indices one run from
        dbase (dmap ascends with v); bits are walked with tzcnt, so no branch depends on data */
@@ -153,11 +170,7 @@ static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, i
             _mm512_mask_storeu_ps(dst + n_lo, k_hi, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k_hi,
                                                                              _mm512_add_epi32(idx_hi, tt), c, 4));
     }
-    __m512 scale = vexp(_mm512_sub_ps(s->dmax, m));
-    __m256 acc_lo = _mm512_castps512_ps256(acc), acc_hi = _mm512_extractf32x8_ps(acc, 1);
-    __m256 sc_lo = _mm512_castps512_ps256(scale), sc_hi = _mm512_extractf32x8_ps(scale, 1);
-    s->sum_lo = _mm512_fmadd_pd(s->sum_lo, _mm512_cvtps_pd(sc_lo), _mm512_cvtps_pd(acc_lo));
-    s->sum_hi = _mm512_fmadd_pd(s->sum_hi, _mm512_cvtps_pd(sc_hi), _mm512_cvtps_pd(acc_hi));
+    rescale_add(&s->sum_lo, &s->sum_hi, vexp(_mm512_sub_ps(s->dmax, m)), acc);
     s->dmax = m;
 }
 
@@ -224,6 +237,11 @@ static AVX512 void load_lanes(const job_t *job, int64_t seg, int64_t t0, lanes_t
     s->arg = _mm512_loadu_si512(job->arg + off);
     s->sum_lo = _mm512_loadu_pd(job->dsum + off);
     s->sum_hi = _mm512_loadu_pd(job->dsum + off + 8);
+    s->asum_lo = s->asum_hi = _mm512_setzero_pd();
+    if (job->asum) {
+        s->asum_lo = _mm512_loadu_pd(job->asum + off);
+        s->asum_hi = _mm512_loadu_pd(job->asum + off + 8);
+    }
 }
 
 static AVX512 void store_lanes(const job_t *job, int64_t seg, int64_t t0, const lanes_t *s) {
@@ -233,6 +251,10 @@ static AVX512 void store_lanes(const job_t *job, int64_t seg, int64_t t0, const 
     _mm512_storeu_si512(job->arg + off, s->arg);
     _mm512_storeu_pd(job->dsum + off, s->sum_lo);
     _mm512_storeu_pd(job->dsum + off + 8, s->sum_hi);
+    if (job->asum) {
+        _mm512_storeu_pd(job->asum + off, s->asum_lo);
+        _mm512_storeu_pd(job->asum + off + 8, s->asum_hi);
+    }
 }
 
 static AMX void run_segment(job_t *job, int64_t seg, uint16_t *tail_w, float *c) {
@@ -299,12 +321,13 @@ static AMX void *worker(void *arg) {
     return NULL;
 }
 
-/* The walk (see the header). best/dmax/arg/dsum: [nseg, Npad] (Npad = N rounded up to 32),
-   set up by the caller (best, dmax -inf; arg 0; dsum 0). Returns 0, or -1 when a thread could
+/* The walk (see the header). best/dmax/arg/dsum (and asum, or NULL without the full lse):
+   [nseg, Npad] (Npad = N rounded up to 32), set up by the caller (best, dmax -inf; arg 0;
+   sums 0). Returns 0, or -1 when a thread could
    not start (the walk then ran on fewer threads, with the same result). */
 int ef_draft_argmax(const uint16_t *w, int64_t ldw, int64_t V, int64_t H, const uint32_t *yp, int64_t N,
                     const int64_t *draft_ids, int64_t Vd, float *draft, int64_t ld_draft, int64_t seg_rows,
-                    int64_t chunk_rows, int64_t group_rows, float *best, int32_t *arg, float *dmax, double *dsum, int nthreads,
+                    int64_t chunk_rows, int64_t group_rows, float *best, int32_t *arg, float *dmax, double *dsum, double *asum, int nthreads,
                     int use_amx) {
     int64_t nblk = (V + 31) / 32;
     uint32_t *dmask = calloc(nblk, sizeof *dmask);
@@ -319,7 +342,7 @@ int ef_draft_argmax(const uint16_t *w, int64_t ldw, int64_t V, int64_t H, const 
         dbase[draft_ids[d] / 32] = (int32_t)d;
     }
     job_t job = {w, ldw, V, H, yp, N, dmask, dbase, draft, ld_draft, seg_rows, (V + seg_rows - 1) / seg_rows,
-                 chunk_rows, group_rows, best, dmax, arg, dsum, use_amx, 0};
+                 chunk_rows, group_rows, best, dmax, arg, dsum, asum, use_amx, 0};
     if (nthreads < 1) nthreads = 1;
     if (nthreads > job.nseg) nthreads = (int)job.nseg;
     pthread_t *th = calloc(nthreads, sizeof *th);
