@@ -37,7 +37,7 @@ demo: $(STAMP)
 # capped to AVX2 by the switches in kernels/_cpu.py), so a change that holds on one ISA only
 # fails here too. On an AVX2-only CPU the caps would change nothing.
 HAS_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo 1)
-ISA_TESTS  := tests/test_lm_head.py tests/test_runner_hf.py tests/test_runner_vllm.py \
+ISA_TESTS  := tests/test_lm_head.py tests/test_native.py tests/test_runner_hf.py tests/test_runner_vllm.py \
               tests/test_e2e_vllm.py tests/test_extract.py tests/test_same_bytes.py
 
 test: $(STAMP)

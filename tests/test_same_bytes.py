@@ -13,6 +13,12 @@ deterministic from one process to the next (two runs of the same demo differed i
 captured hidden state by 2e-7), so no code change could be judged byte for byte there.
 
 BASELINE moves only when a change is meant to change the bytes, and says why in its commit.
+
+One change did (issue 40): on AMX CPUs the bf16 head's draft supervision comes from the compiled
+walk (`kernels/_native.py`), whose fp32 sums run in another order than MKL's GEMM. So a bf16
+draft extraction is pinned twice: with the compiled walk off it must match BASELINE byte for
+byte (nothing else moved), with it on it must match NATIVE_BASELINE, and the two differ only in
+the fields the head computes (draft log-probs, lse), by fp32 rounding, where the walk runs.
 """
 
 from __future__ import annotations
@@ -24,11 +30,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from _bench import load_bench
+from eagle_fast.kernels import _native
 from _pipeline import manifest_core, mixed_jsonl, tree_digest
 
 # The last commit before the layout of issue "one supervision path" (same bytes since).
 BASELINE = "5a534cffb8fe0421c4b2e05413cbeb6b3a48d12d"
+# The commit whose compiled walk set the bf16 head's bytes on AMX CPUs (elsewhere: BASELINE's).
+NATIVE_BASELINE = "fdaab3a849697b980e99d4501b809a7e0da10dd0"
 REPO = Path(__file__).resolve().parents[1]
 
 # Runs `eagle-fast` commands (a JSON list of argv lists) with whichever eagle_fast is first on
@@ -55,9 +65,10 @@ def baseline_tree(tmp_path_factory) -> Path:
         pytest.fail(str(exc), pytrace=False)
 
 
-def _run(src: Path | None, commands: list[list[str]], cwd: Path) -> None:
-    """The commands with the package under `src` (None: the one installed from this checkout)."""
-    env = dict(os.environ)
+def _run(src: Path | None, commands: list[list[str]], cwd: Path, native: bool = True) -> None:
+    """The commands with the package under `src` (None: the one installed from this checkout),
+    the compiled head walk on or off (EAGLE_FAST_CPU_NATIVE)."""
+    env = dict(os.environ, EAGLE_FAST_CPU_NATIVE="1" if native else "0")
     if src is None:
         want = str(REPO)
     else:
@@ -138,3 +149,48 @@ def test_demo_matches_the_baseline(baseline_tree, tmp_path):
                    for m in (old_m, new_m)]
     assert model_files[0] == model_files[1]
     _same_outputs(tmp_path / "old" / "ds", tmp_path / "new" / "ds", paths=("model.id", "data.path"))
+
+
+# bf16 target, the native layout's draft kind: the head call the compiled walk serves on AMX.
+BF16_DRAFT = ["--dtype", "bf16", "--supervision", "draft", "--draft-vocab", "{vocab}"]
+# Fields the head computes; every other stored byte (ids, masks, hidden states) never moves.
+HEAD_FLOATS = ("draft_logprobs", "lse")
+
+
+def _tensors(root: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {f"{p.relative_to(root)}:{k}": v for p in sorted(root.rglob("*.safetensors"))
+            for k, v in load_file(p).items()}
+
+
+def test_bf16_draft_moves_only_with_the_compiled_walk(baseline_tree, tiny_llama, tmp_path, tmp_path_factory):
+    try:
+        pinned = load_bench("_harness").package_at(NATIVE_BASELINE, tmp_path_factory.mktemp("native"))
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    data = mixed_jsonl(tmp_path / "d.jsonl", n_chat=8)
+    sides = {"old": (baseline_tree, False), "off": (None, False), "pinned": (pinned, True), "new": (None, True)}
+    for side, (src, native) in sides.items():
+        base = tmp_path / side
+        base.mkdir()
+        vocab = base / "vocab.pt"
+        _run(src, [["vocab", "--model", str(tiny_llama), "--data", str(data), "--size", "64", "--out", str(vocab),
+                    "--max-len", "256"],
+                   ["extract", "--model", str(tiny_llama), "--data", str(data), "--out", str(base / "ds"),
+                    "--engine", "hf", "--max-len", "256", "--shard-size", "5", "--batch-tokens", "300",
+                    "--aux-layers", "0,1,3", *(a.format(vocab=vocab) for a in BF16_DRAFT)]],
+             cwd=base, native=native)
+    _same_outputs(tmp_path / "old" / "ds", tmp_path / "off" / "ds")
+    _same_outputs(tmp_path / "pinned" / "ds", tmp_path / "new" / "ds")
+    new, off = _tensors(tmp_path / "new" / "ds"), _tensors(tmp_path / "off" / "ds")
+    assert new.keys() == off.keys() and new
+    moved = [k for k in new if not torch.equal(new[k].view(torch.uint8), off[k].view(torch.uint8))]
+    assert all(k.rsplit(":", 1)[1] in HEAD_FLOATS for k in moved), moved
+    if _native.kind() is None:
+        assert not moved, f"{moved} moved where the compiled walk does not run"
+        return
+    assert moved, "the compiled walk ran, yet no head field moved"
+    for k in moved:
+        gap = float((new[k].double() - off[k].double()).abs().max())
+        assert gap <= 1e-4, f"{k}: the compiled walk's values lie {gap:.3g} from the PyTorch path's"
