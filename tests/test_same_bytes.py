@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 from _bench import load_bench
-from eagle_fast.kernels import _native
 from _pipeline import manifest_core, mixed_jsonl, tree_digest
+from eagle_fast.kernels import _native
 
 # The last commit before the layout of issue "one supervision path" (same bytes since).
 BASELINE = "5a534cffb8fe0421c4b2e05413cbeb6b3a48d12d"
