@@ -14,9 +14,9 @@ What it does
                                default out_dtype (the target's: bf16 draft log-probs here)
       forward_eagle3_supervision-fp32  the same with out_dtype=float32 (the head's results
                                unrounded; twice the output bytes)
-      forward_eagle3_supervision-exact the fast path with the CPU screen off
-                               (`_torch_screen.switched(False)`): the same bytes by the exact
-                               walk, i.e. the fast path before the screen, beside it
+      forward_eagle3_supervision-exact the fast path with the compiled walk and the CPU screen
+                               off (`_native.switched(False)`, `_torch_screen.switched(False)`):
+                               MKL's exact walk, the fast path before either, beside it
       capture / capture-padded the engine alone (unpadded rows / full rows), for the head share
       gemm-floor               the bare GEMM of the head's shape on the non-pad tokens (`_floor.py`:
                                the cheapest GEMM PyTorch offers here, operands prepared)
@@ -51,6 +51,8 @@ import _floor
 import _harness as H
 import shapes
 import torch
+from eagle_fast.kernels._native import kind as native_kind
+from eagle_fast.kernels._native import switched as native_switched
 from eagle_fast.kernels._torch_screen import switched
 
 NAME = "runner"  # results: runner-<device>.json
@@ -173,7 +175,7 @@ def run(args) -> dict:
             return probs, pmask, aux
 
         def exact_walk():
-            with switched(False):
+            with switched(False), native_switched(False):
                 return runner.forward_eagle3_supervision(input_ids, mask, outputs=("draft", "argmax"),
                                                          draft_ids=draft_ids)
 
@@ -234,7 +236,7 @@ def run(args) -> dict:
             rec["floor_kind"] = _floor.floor_kind(env["device"], runner.head.lm_head_weight.dtype)
             rec["tokens_per_s"] = rec["head_share"] = None  # not the runner's work
         records.append(rec)
-    out = {"benchmark": "runner", "environment": env,
+    out = {"benchmark": "runner", "environment": env, "compiled_walk": native_kind(),
            "setup": {"model": "tiny Qwen3 (random)", "spec": tiny_spec().__dict__, "batch": B, "seq": S,
                      "real_tokens": n_real, "padded_tokens": B * S, "aux_layer_ids": AUX_LAYER_IDS,
                      "draft_vocab": int(draft_ids.numel()), "draft_projection": f"nemo_automodel {H.package_version('nemo_automodel')}",
@@ -291,7 +293,7 @@ def _cross_check(sbs: H.SideBySide, mask, draft_mask) -> dict:
         sup32 = sbs.timings["forward_eagle3_supervision-fp32"].result
         res["supervision_fp32_argmax_agree"] = float((sup32["argmax"] == seed["argmax"]).float().mean())
         exact = sbs.timings["forward_eagle3_supervision-exact"].result
-        res["screen_vs_exact_same_argmax"] = bool(torch.equal(sup["argmax"], exact["argmax"]))
+        res["fast_vs_exact_argmax_agree"] = float((sup["argmax"] == exact["argmax"]).float().mean())
         res["forward_eagle3_max_abs_max_logit_diff"] = float((ours["max_logit"] - seed["max_logit"]).abs().max())
     except Exception as e:  # noqa: BLE001 - a failed method is reported in its record
         res["error"] = f"{type(e).__name__}: {e}"
@@ -320,14 +322,16 @@ def verdicts(results: dict) -> H.Verdicts:
         r = by.get(name)
         if not (r and r["median_s"]):
             continue
-        label = "supervision(draft, argmax" + {"fp32": ", fp32 out)", "exact": ", screen off)"}.get(
+        label = "supervision(draft, argmax" + {"fp32": ", fp32 out)", "exact": ", exact walk)"}.get(
             name.rsplit("-", 1)[-1], ")")
         ratio = r["tokens_per_s"] / seed["tokens_per_s"]
         ph = r.get("phases_s") or {}
         split = (", call by phase: " + ", ".join(f"{p} {100 * ph[p] / ph['total']:.0f}%"
                                                  for p in _floor.PHASES if ph.get(p))
                  + " (other = capture, scatter, staging copies)") if ph.get("total") else ""
-        v.check(f"runner ({where}): {label} throughput >= 1.6x seed's", ratio >= 1.6,
+        # AMX (issue 40): the fast path keeps at least the 3.0x it had before the compiled walk
+        goal = 3.0 if name == "forward_eagle3_supervision" and results.get("compiled_walk") else 1.6
+        v.check(f"runner ({where}): {label} throughput >= {goal}x seed's", ratio >= goal,
                 f"{r['tokens_per_s']:.0f} vs {seed['tokens_per_s']:.0f} tok/s = {ratio:.2f}x; head "
                 f"{_vs_floor(r)} the bare GEMM{split}")
         if r["peak_extra_bytes"] is not None and seed["peak_extra_bytes"]:

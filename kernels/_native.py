@@ -44,6 +44,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,9 +137,10 @@ def library() -> ctypes.CDLL | None:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ef_amx_init.argtypes, lib.ef_amx_init.restype = [], i
     lib.ef_pack_y.argtypes, lib.ef_pack_y.restype = [p, i64, i64, i64, p], None
-    lib.ef_draft_argmax.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, i64, i64, i64, i64,
-                                    p, p, p, p, p, i, i]
+    lib.ef_draft_argmax.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, p, p, i]
     lib.ef_draft_argmax.restype = i
+    lib.ef_draft_out.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i, i64, i]
+    lib.ef_draft_out.restype = i
     return lib
 
 
@@ -169,17 +172,21 @@ def usable(y: torch.Tensor, weight: torch.Tensor, logit_scale: float, softcap) -
 
 
 def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor, y_norm: torch.Tensor,
-                 w_norm_max: float, threads: int | None = None, lse: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """`(draft_logits fp32 [N, Vd], draft_lse fp32 [N], argmax int64 [N], lse fp32 [N] or
-    None)`, or None (nothing done) where the logits are not provably finite. `lse`: the
-    full-vocabulary logsumexp too (an exp of every logit, in the same pass).
+                 w_norm_max: float, threads: int | None = None, lse: bool = False,
+                 out_dtype: torch.dtype = torch.float32
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """`(draft_logprobs [N, Vd] out_dtype, argmax int64 [N], lse fp32 [N] or None)`, or None
+    (nothing done) where the logits are not provably finite.
 
     y bf16 [N, H] contiguous (the normalised activation); weight bf16 [V, H]; draft_ids sorted
     int64 [Vd], Vd >= 1; y_norm fp32 [N] and w_norm_max upper bounds on the row norms
-    (`_torch_screen.norm_upper`). threads: torch's count for the calling thread by default; the
-    bytes do not depend on it.
+    (`_torch_screen.norm_upper`). `lse`: the full-vocabulary logsumexp too (an exp of every
+    logit, in the same pass). The draft log-probs are the fp32 draft logits minus their
+    logsumexp, rounded once to out_dtype. threads: torch's count for the calling thread by
+    default; the bytes do not depend on it. RuntimeError where `kind()` is None.
     """
+    if kind() is None:
+        raise RuntimeError(f"draft_argmax: {report()}")
     N, H = y.shape
     V = weight.shape[0]
     Vd = draft_ids.numel()
@@ -187,8 +194,10 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     if not (math.isfinite(y_max) and math.isfinite(w_norm_max) and y_max * w_norm_max < 2.0**120):
         return None
     lib = library()
-    KB, NB = H // 32, _round_up(N, 16) // 16
-    yp = torch.empty(NB * KB * 256, dtype=torch.int32)
+    threads = threads or torch.get_num_threads()
+    KB = H // 32
+    # pass 1: argmax, draft lse (and the full lse) over the whole vocabulary
+    yp = torch.empty(_round_up(N, 16) // 16 * KB * 256, dtype=torch.int32)
     lib.ef_pack_y(y.data_ptr(), N, H, y.stride(0), yp.data_ptr())
     seg = _round_up(_round_up(V, SEGMENTS) // SEGMENTS, 32)
     nseg = _round_up(V, seg) // seg
@@ -200,21 +209,61 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     arg = torch.zeros(nseg, n_pad, dtype=torch.int32)
     dsum = torch.zeros(nseg, n_pad, dtype=torch.float64)
     asum = torch.zeros(nseg, n_pad, dtype=torch.float64) if lse else None
-    draft = empty_huge((N, Vd), torch.float32)
     ids = draft_ids.to(torch.int64).contiguous()
     rc = lib.ef_draft_argmax(weight.data_ptr(), weight.stride(0), V, H, yp.data_ptr(), N, ids.data_ptr(), Vd,
-                             draft.data_ptr(), draft.stride(0), seg, chunk, group, best.data_ptr(),
-                             arg.data_ptr(), dmax.data_ptr(), dsum.data_ptr(), None if asum is None else asum.data_ptr(),
-                             threads or torch.get_num_threads(), 1)
+                             seg, chunk, group, best.data_ptr(), arg.data_ptr(), dmax.data_ptr(), dsum.data_ptr(),
+                             None if asum is None else asum.data_ptr(), threads)
     if rc == -2:
-        raise MemoryError("the compiled head walk could not allocate its draft maps")
+        raise MemoryError("the compiled head walk could not allocate its draft mask")
+    del yp
     best, arg, dmax, dsum = best[:, :N], arg[:, :N], dmax[:, :N], dsum[:, :N]
     # Merge the segments in order: the first segment holding the max has the lowest id.
     top = best.max(0).values
     first = torch.where(best == top, torch.arange(nseg)[:, None], nseg).min(0).values
     argmax = arg.gather(0, first[None]).squeeze(0).long()
     full_lse = None if asum is None else _merged_lse(best, asum[:, :N])
-    return draft, _merged_lse(dmax, dsum), argmax, full_lse
+    draft_lse = _merged_lse(dmax, dsum)
+    # pass 2: the draft columns again, minus their lse, rounded once, written row by row
+    wdp = packed_draft(weight, ids)
+    direct = out_dtype in (torch.float32, torch.bfloat16)
+    out = empty_huge((N, Vd), out_dtype if direct else torch.float32)
+    cols = max(32, min(_round_up(Vd, 32), CHUNK_BYTES // (2 * H) // 32 * 32))
+    lib.ef_draft_out(y.data_ptr(), y.stride(0), N, H, wdp.data_ptr(), Vd, draft_lse.data_ptr(), out.data_ptr(),
+                     out.stride(0), int(out_dtype == torch.bfloat16), cols, threads)
+    return (out if direct else out.to(out_dtype)), argmax, full_lse
+
+
+# The draft rows of the weights walked lately, packed for pass 2 (bf16, Vd x H: a fifth of the
+# weight at a 32k draft of 152k ids); repacking them per call cost more than pass 2 itself at a
+# few hundred tokens (supervision's groups). Keyed as `_torch_screen.weight_norms` keys its bounds:
+# the storages (held weakly), the views and their version counters, of the weight and the ids.
+_PACKS: dict[tuple, tuple] = {}
+_PACKS_LOCK = threading.Lock()
+
+
+def _key(t: torch.Tensor) -> tuple:
+    return (id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def packed_draft(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """weight[ids] in pass 2's operand layout (`ef_pack_y`, zero-padded to 32 rows), made once
+    per (weight, ids) and again after either changes."""
+    key = (_key(weight), _key(ids))
+    with _PACKS_LOCK:
+        seen = _PACKS.get(key)
+    if (seen and seen[0]() is weight.untyped_storage() and seen[1]() is ids.untyped_storage()
+            and seen[2] == (weight._version, ids._version)):
+        return seen[3]
+    vd, h = ids.numel(), weight.shape[1]
+    packed = torch.zeros(_round_up(vd, 32) // 16 * (h // 32) * 256, dtype=torch.int32)
+    rows = weight.index_select(0, ids)
+    library().ef_pack_y(rows.data_ptr(), vd, h, rows.stride(0), packed.data_ptr())
+    with _PACKS_LOCK:
+        while len(_PACKS) >= 2 and key not in _PACKS:
+            _PACKS.pop(next(iter(_PACKS)))
+        _PACKS[key] = (weakref.ref(weight.untyped_storage()), weakref.ref(ids.untyped_storage()),
+                       (weight._version, ids._version), packed)
+    return packed
 
 
 def _merged_lse(maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:

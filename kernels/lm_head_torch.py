@@ -339,12 +339,10 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
         # ("draft", "argmax"[, "lse"]) on AMX: the compiled walk (`_native`), every column in one pass
         with phase("gemm"):
             got = native_draft_argmax(y, weight, draft_ids, norm_upper(y), weight_norms(weight).max().item(),
-                                      lse=need_lse)
+                                      lse=need_lse, out_dtype=req.out_dtype)
         if got is not None:
-            draft_buf, draft_lse, run_arg, lse = got
-            out = HeadOutput(lse=lse, argmax=run_arg)
-            with phase("copy-out"):
-                out.draft_logprobs = draft_log_softmax(draft_buf, draft_lse, req.out_dtype, R * C)
+            draft_logprobs, run_arg, lse = got
+            out = HeadOutput(lse=lse, argmax=run_arg, draft_logprobs=draft_logprobs)
             pos = torch.searchsorted(draft_ids, run_arg).clamp_max(Vd - 1)
             out.argmax_in_draft = draft_ids[pos] == run_arg
             return out

@@ -128,7 +128,13 @@ def test_same_bytes_run_to_run_and_for_any_thread_count():
     from eagle_fast.kernels._torch_screen import norm_upper
 
     y_norm, w_max = norm_upper(hidden), float(norm_upper(weight).max())
-    runs = [_native.draft_argmax(hidden, weight, ids, y_norm, w_max, threads=t, lse=True) for t in (1, 2, 3, 2)]
+    runs = [_native.draft_argmax(hidden, weight, ids, y_norm, w_max, threads=t, lse=True, out_dtype=dt)
+            for t, dt in ((1, torch.float32), (2, torch.float32), (3, torch.float32), (2, torch.float32))]
+    bf16 = [_native.draft_argmax(hidden, weight, ids, y_norm, w_max, threads=t, out_dtype=torch.bfloat16)[0]
+            for t in (1, 3)]
+    assert runs[0][0].dtype == torch.float32 and bf16[0].dtype == torch.bfloat16
+    assert torch.equal(bf16[0].view(torch.int16), bf16[1].view(torch.int16))
+    assert torch.equal(bf16[0].view(torch.int16), runs[0][0].bfloat16().view(torch.int16))  # rounded once
     for run in runs[1:]:
         for a, b in zip(runs[0], run):
             assert torch.equal(a.view(torch.uint8) if a.is_floating_point() else a,
@@ -176,3 +182,33 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     stamp = first.stat().st_mtime_ns
     assert _native._build(_native._compiler()) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+@pytest.mark.skipif(not HERE, reason=f"the compiled walk does not run here: {_native.report()}")
+def test_both_passes_see_the_same_logits():
+    """Every id a draft id: pass 1's argmax (over its logits) is the argmax of pass 2's draft
+    log-probs (its own logits minus one constant per row), and they sum to one."""
+    hidden, weight, _, _ = _inputs(70, 96, 1200, 0, seed=13)
+    ids = torch.arange(1200)
+    from eagle_fast.kernels._torch_screen import norm_upper
+
+    logprobs, argmax, _ = _native.draft_argmax(hidden, weight, ids, norm_upper(hidden),
+                                               float(norm_upper(weight).max()), lse=True)
+    assert torch.equal(logprobs.argmax(1), argmax)
+    assert_close(torch.logsumexp(logprobs.double(), 1), torch.zeros(70, dtype=torch.float64), atol=1e-6, rtol=0,
+                 name="logsumexp of the draft log-probs")
+
+
+@pytest.mark.skipif(not HERE, reason=f"the compiled walk does not run here: {_native.report()}")
+def test_packed_draft_rows_follow_the_weight_and_the_ids():
+    hidden, weight, norm_weight, ids = _inputs(40, 64, 900, 200, seed=17)
+    first = _call(hidden, weight, norm_weight, ids)[0]
+    weight.mul_(-1.5)  # in place: same storage, a new version
+    out, served = _call(hidden, weight, norm_weight, ids)
+    assert served
+    _check_oracle(out, hidden, weight, norm_weight, ids)
+    assert not torch.equal(out.draft_logprobs, first.draft_logprobs)
+    ids[:5] = torch.arange(5) * 3  # the ids in place too (still sorted and distinct)
+    assert bool((ids[1:] > ids[:-1]).all())
+    out, _ = _call(hidden, weight, norm_weight, ids)
+    _check_oracle(out, hidden, weight, norm_weight, ids)

@@ -1,33 +1,38 @@
-/* The CPU head's fused draft + argmax walk: bf16 GEMM with fp32 accumulation, reduced in cache.
+/* The CPU head's draft + argmax on AMX: bf16 GEMMs with fp32 accumulation, reduced in cache.
 
 What it does
-    For y bf16 [N, H] (the normalised activation) and W bf16 [V, H] (the LM head), one pass over
-    the vocabulary in id order computes every fp32 logit s[t, v] = y[t] . W[v] and keeps, per
-    token t:
-      - the argmax over all V columns (ties: the lowest id, as ids ascend);
-      - with the lse asked for, the float64 sum of exp(s - best) over every column;
-      - for the draft columns (dmap[v] >= 0, draft index dmap[v]): s itself, written to
-        draft[t, dmap[v]], and the running max and float64 sum of exp(s - max) of the draft
-        logsumexp.
-    Nothing [N, V] is ever written. Python (`kernels/_native.py`) packs y, builds dmap, merges
-    the per-segment statistics and subtracts the logsumexp.
+    For y bf16 [N, H] (the normalised activation) and W bf16 [V, H] (the LM head), with s[t, v]
+    = y[t] . W[v] summed in fp32:
+      pass 1 (`ef_draft_argmax`): one walk over the vocabulary in id order keeps, per token t,
+        the argmax over all V columns (ties: the lowest id, as ids ascend), the running max and
+        float64 sum of exp(s - max) over the draft columns (their logsumexp) and, when asked,
+        over every column (the full lse). Nothing is written per column.
+      pass 2 (`ef_draft_out`): the draft columns again, out[t, d] = s[t, draft_ids[d]] - lse_d[t]
+        rounded once to fp32 or bf16 (nearest-even), written as contiguous rows.
+    Python (`kernels/_native.py`) packs the operands, merges pass 1's per-segment statistics
+    and hands pass 2 the draft logsumexp.
 
 Design
-    The GEMM is computed transposed, s^T = W y^T, so W's rows are the A operand as they lie in
-    memory (no packing, no gather of the draft rows) and y is packed once per call into the
-    VNNI layout of the B operand. A [32 vocab x 32 token] block is four 16 x 16 fp32 tiles
-    (AMX: TDPBF16PS; AVX512-BF16: VDPBF16PS with broadcast weight pairs); each row of a tile
-    is one vocab id across 16 tokens, so the per-token reductions are lane-wise vector maxima
-    and sums, with no horizontal reduction. The vocabulary is cut into SEGMENTS fixed by V alone
-    (never by the thread count); a thread takes whole segments, and each segment keeps its own
-    per-token statistics, merged in segment order afterwards. Every logit's summation order is
-    fixed by H alone, so the result is the same bits for any thread count and any run.
-    Within a segment: chunks of W rows that stay in L2, each swept by every token block.
+    Pass 1 computes s transposed, s^T = W y^T: W's rows are the A operand as they lie in memory
+    (no packing, no gather) and y is packed once per call into the VNNI layout of the B operand
+    (`ef_pack_y`). A [32 vocab x 32 token] block is four 16 x 16 fp32 AMX tiles (TDPBF16PS);
+    each tile row is one vocab id across 16 tokens, so the per-token reductions are lane-wise
+    vector maxima and sums. The vocabulary is cut into segments fixed by V alone (never by the
+    thread count); a thread takes whole segments, each segment keeps its own per-token
+    statistics, merged in segment order afterwards. Within a segment: chunks of W rows that
+    stay in L2, each swept by the token blocks of a group that stays in the last-level cache.
+    Pass 2 computes s itself, y W_d^T: y's rows are A as they lie, the draft rows of W (gathered
+    and packed once per call) are B, and each tile row is one token's run of draft columns.
+    Both passes add the same products in the same k order (the two bf16 products of each
+    k pair, then the pair into the accumulator), so pass 2 reproduces pass 1's logits and the
+    log-probs sum to one as the logsumexp says. Every logit's summation order is fixed by H
+    alone and no reduction depends on the thread split: the same bits for any thread count.
 
 Limits
-    H a multiple of 32; finite logits (the caller checks ||y|| ||w|| < 2^120); V < 2^31.
-    Products of bf16 values are exact in fp32; both instruction sets add them in fp32 with
-    denormals flushed (DAZ/FTZ), which the caller's error bounds cover.
+    H a multiple of 32; finite logits (the caller checks ||y|| ||w|| < 2^120); V < 2^31. The
+    caller has the AMX tile state granted (`ef_amx_init`). Products of bf16 values are exact in
+    fp32; AMX adds them in fp32 with denormals flushed (DAZ/FTZ), which the caller's error
+    bounds cover.
 */
 #include <immintrin.h>
 #include <math.h>
@@ -74,15 +79,11 @@ typedef struct {
     const uint32_t *yp; /* ef_pack_y's output */
     int64_t N;
     const uint32_t *dmask; /* [ceil(V / 32)]: which rows of each aligned 32-row block are draft ids */
-    const int32_t *dbase;  /* [ceil(V / 32)]: the draft index of each block's first draft row */
-    float *draft;        /* [N, Vd] fp32, row stride ld_draft (may be NULL with no draft ids) */
-    int64_t ld_draft;
     int64_t seg_rows, nseg, chunk_rows, group_rows;
     float *best, *dmax;  /* [nseg, Npad] */
     int32_t *arg;
     double *dsum;
     double *asum; /* [nseg, Npad] or NULL: the sum of exp(s - best) over every column (lse) */
-    int use_amx;
     int next; /* the next segment to take */
 } job_t;
 
@@ -120,7 +121,7 @@ static inline AVX512 void rescale_add(__m512d *lo, __m512d *hi, __m512 scale, __
 }
 
 /* Reduce one [rows x 16] fp32 slab c (row stride 32 floats: one vocab id per row, ids v0 + i)
-   into the lanes; write the draft rows to draft[t0 + lane, dmap[v]]. */
+   into the lanes. */
 static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, int64_t v0, int64_t t0,
                                    lanes_t *s) {
     /* argmax over every row: only rows that beat the running best matter */
@@ -140,8 +141,8 @@ static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, i
         for (int i = 0; i < rows; i++) acc = _mm512_add_ps(acc, vexp(_mm512_sub_ps(_mm512_loadu_ps(c + 32 * i), s->best)));
         rescale_add(&s->asum_lo, &s->asum_hi, vexp(_mm512_sub_ps(old_best, s->best)), acc);
     }
-    /* the draft rows: a bit mask per aligned 32-row block, their draft indices one run from
-       dbase (dmap ascends with v); bits are walked with tzcnt, so no branch depends on data */
+    /* the draft rows: a bit mask per aligned 32-row block, walked with tzcnt, so no branch
+       depends on the data */
     uint32_t mask = job->dmask[v0 / 32];
     if (rows < 32) mask &= (1u << rows) - 1u;
     if (!mask) return;
@@ -150,26 +151,6 @@ static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, i
     __m512 acc = _mm512_setzero_ps();
     for (uint32_t b = mask; b; b &= b - 1)
         acc = _mm512_add_ps(acc, vexp(_mm512_sub_ps(_mm512_loadu_ps(c + 32 * __builtin_ctz(b)), m)));
-    /* each token's draft values are one contiguous run of its row: gathered from the block's
-       column t (rows of the mask, compressed), stored with one masked store */
-    const __m512i iota32 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(32));
-    __mmask16 lo = (__mmask16)(mask & 0xFFFF), hi = (__mmask16)(mask >> 16);
-    int n_lo = __builtin_popcount(lo), n_hi = __builtin_popcount(hi);
-    __m512i idx_lo = _mm512_maskz_compress_epi32(lo, iota32);
-    __m512i idx_hi = _mm512_maskz_compress_epi32(hi, _mm512_add_epi32(iota32, _mm512_set1_epi32(16 * 32)));
-    __mmask16 k_lo = (__mmask16)((1u << n_lo) - 1u), k_hi = (__mmask16)((1u << n_hi) - 1u);
-    int64_t n_live = job->N - t0 < 16 ? job->N - t0 : 16;
-    float *dst = job->draft + t0 * job->ld_draft + job->dbase[v0 / 32];
-    for (int64_t t = 0; t < n_live; t++, dst += job->ld_draft) {
-        __m512i tt = _mm512_set1_epi32((int32_t)t);
-        if (k_lo)
-            _mm512_mask_storeu_ps(dst, k_lo, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k_lo,
-                                                                      _mm512_add_epi32(idx_lo, tt), c, 4));
-        if (k_hi)
-            _mm512_mask_storeu_ps(dst + n_lo, k_hi, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k_hi,
-                                                                             _mm512_add_epi32(idx_hi, tt), c, 4));
-    }
     rescale_add(&s->sum_lo, &s->sum_hi, vexp(_mm512_sub_ps(s->dmax, m)), acc);
     s->dmax = m;
 }
@@ -181,7 +162,8 @@ typedef struct {
 } tilecfg_t;
 
 /* One [32 vocab x 32 token] block of s^T into c [32][32] fp32: AMX tiles 0-3 accumulate,
-   4-5 hold W's two 16-row halves, 6-7 the two 16-token halves of yp. */
+   4-5 hold W's two 16-row halves, 6-7 the two 16-token halves of yp. The tile configuration
+   (`worker`): palette 1, all eight tiles 16 rows x 64 bytes. */
 static inline AMX void block_amx(const uint16_t *w, int64_t ldw, const uint32_t *yp0, const uint32_t *yp1,
                                  int64_t KB, float *c) {
     _tile_zero(0);
@@ -202,32 +184,6 @@ static inline AMX void block_amx(const uint16_t *w, int64_t ldw, const uint32_t 
     _tile_stored(1, c + 16, 128);
     _tile_stored(2, c + 16 * 32, 128);
     _tile_stored(3, c + 16 * 32 + 16, 128);
-}
-
-/* The same block with VDPBF16PS: 8 vocab rows x 32 tokens per pass, 16 accumulators. */
-static inline AVX512 void block_avx512(const uint16_t *w, int64_t ldw, const uint32_t *yp0, const uint32_t *yp1,
-                                       int64_t KB, float *c) {
-    for (int r0 = 0; r0 < 32; r0 += 8) {
-        __m512 acc[8][2];
-        for (int i = 0; i < 8; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-        for (int64_t kb = 0; kb < KB; kb++) {
-            for (int p = 0; p < 16; p++) {
-                __m512bh b0 = (__m512bh)_mm512_loadu_si512(yp0 + kb * 256 + p * 16);
-                __m512bh b1 = (__m512bh)_mm512_loadu_si512(yp1 + kb * 256 + p * 16);
-                for (int i = 0; i < 8; i++) {
-                    uint32_t pair;
-                    memcpy(&pair, w + (r0 + i) * ldw + kb * 32 + 2 * p, 4);
-                    __m512bh a = (__m512bh)_mm512_set1_epi32((int32_t)pair);
-                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
-                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
-                }
-            }
-        }
-        for (int i = 0; i < 8; i++) {
-            _mm512_storeu_ps(c + (r0 + i) * 32, acc[i][0]);
-            _mm512_storeu_ps(c + (r0 + i) * 32 + 16, acc[i][1]);
-        }
-    }
 }
 
 static AVX512 void load_lanes(const job_t *job, int64_t seg, int64_t t0, lanes_t *s) {
@@ -282,10 +238,7 @@ static AMX void run_segment(job_t *job, int64_t seg, uint16_t *tail_w, float *c)
                         w = tail_w;
                         ld = H;
                     }
-                    if (job->use_amx)
-                        block_amx(w, ld, yp0, yp1, KB, c);
-                    else
-                        block_avx512(w, ld, yp0, yp1, KB, c);
+                    block_amx(w, ld, yp0, yp1, KB, c);
                     epilogue(job, c, rows, v0, t0, &s0);
                     if (t0 + 16 < job->N) epilogue(job, c + 16, rows, v0, t0 + 16, &s1);
                 }
@@ -298,16 +251,14 @@ static AMX void run_segment(job_t *job, int64_t seg, uint16_t *tail_w, float *c)
 
 static AMX void *worker(void *arg) {
     job_t *job = (job_t *)arg;
-    if (job->use_amx) {
-        tilecfg_t cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) {
-            cfg.colsb[i] = 64;
-            cfg.rows[i] = 16;
-        }
-        _tile_loadconfig(&cfg);
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
     }
+    _tile_loadconfig(&cfg);
     uint16_t *tail_w = aligned_alloc(64, (size_t)(32 * job->H * 2 + 64) / 64 * 64);
     float *c = aligned_alloc(64, 32 * 32 * 4);
     for (;;) {
@@ -317,7 +268,7 @@ static AMX void *worker(void *arg) {
     }
     free(tail_w);
     free(c);
-    if (job->use_amx) _tile_release();
+    _tile_release();
     return NULL;
 }
 
@@ -326,23 +277,15 @@ static AMX void *worker(void *arg) {
    sums 0). Returns 0, or -1 when a thread could
    not start (the walk then ran on fewer threads, with the same result). */
 int ef_draft_argmax(const uint16_t *w, int64_t ldw, int64_t V, int64_t H, const uint32_t *yp, int64_t N,
-                    const int64_t *draft_ids, int64_t Vd, float *draft, int64_t ld_draft, int64_t seg_rows,
-                    int64_t chunk_rows, int64_t group_rows, float *best, int32_t *arg, float *dmax, double *dsum, double *asum, int nthreads,
-                    int use_amx) {
+                    const int64_t *draft_ids, int64_t Vd, int64_t seg_rows,
+                    int64_t chunk_rows, int64_t group_rows, float *best, int32_t *arg, float *dmax,
+                    double *dsum, double *asum, int nthreads) {
     int64_t nblk = (V + 31) / 32;
     uint32_t *dmask = calloc(nblk, sizeof *dmask);
-    int32_t *dbase = calloc(nblk, sizeof *dbase);
-    if (!dmask || !dbase) {
-        free(dmask);
-        free(dbase);
-        return -2;
-    }
-    for (int64_t d = Vd - 1; d >= 0; d--) { /* ascending ids: the lowest index of a block wins */
-        dmask[draft_ids[d] / 32] |= 1u << (draft_ids[d] % 32);
-        dbase[draft_ids[d] / 32] = (int32_t)d;
-    }
-    job_t job = {w, ldw, V, H, yp, N, dmask, dbase, draft, ld_draft, seg_rows, (V + seg_rows - 1) / seg_rows,
-                 chunk_rows, group_rows, best, dmax, arg, dsum, asum, use_amx, 0};
+    if (!dmask) return -2;
+    for (int64_t d = 0; d < Vd; d++) dmask[draft_ids[d] / 32] |= 1u << (draft_ids[d] % 32);
+    job_t job = {w, ldw, V, H, yp, N, dmask, seg_rows, (V + seg_rows - 1) / seg_rows,
+                 chunk_rows, group_rows, best, dmax, arg, dsum, asum, 0};
     if (nthreads < 1) nthreads = 1;
     if (nthreads > job.nseg) nthreads = (int)job.nseg;
     pthread_t *th = calloc(nthreads, sizeof *th);
@@ -358,6 +301,121 @@ int ef_draft_argmax(const uint16_t *w, int64_t ldw, int64_t V, int64_t H, const 
     for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
     free(th);
     free(dmask);
-    free(dbase);
+    return rc;
+}
+
+typedef struct {
+    const uint16_t *y; /* [N, H] bf16, row stride ldy */
+    int64_t ldy, N, H;
+    const uint32_t *wdp; /* the draft rows of W, packed by ef_pack_y, zero up to a multiple of 32 */
+    int64_t Vd;
+    const float *lse; /* [N]: the draft logsumexp */
+    void *out;        /* [N, Vd] fp32 or bf16, row stride ld_out */
+    int64_t ld_out;
+    int out_bf16;
+    int64_t chunk_cols, nchunk;
+    int next;
+} out_job_t;
+
+/* One chunk of draft columns [d0, d1) for every token: C = y W_d^T in AMX tiles 0-3 (tiles 4-5:
+   two 16-token halves of y, 6-7: two 16-column halves of W_d), then x - lse, rounded, stored. */
+static AMX void out_chunk(const out_job_t *j, int64_t d0, int64_t d1, uint16_t *tail_y, float *c) {
+    const int64_t H = j->H, KB = H / 32;
+    for (int64_t t0 = 0; t0 < j->N; t0 += 32) {
+        int64_t nt = j->N - t0 < 32 ? j->N - t0 : 32;
+        const uint16_t *a = j->y + t0 * j->ldy;
+        int64_t lda = j->ldy;
+        if (nt < 32) { /* the last tokens: a zero-padded copy, never a read past y */
+            memset(tail_y, 0, 32 * H * 2);
+            for (int64_t t = 0; t < nt; t++) memcpy(tail_y + t * H, a + t * j->ldy, H * 2);
+            a = tail_y;
+            lda = H;
+        }
+        for (int64_t c0 = d0; c0 < d1; c0 += 32) {
+            const uint32_t *b0 = j->wdp + (c0 / 16) * KB * 256, *b1 = b0 + KB * 256;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < KB; kb++) {
+                _tile_loadd(4, a + kb * 32, lda * 2);
+                _tile_loadd(5, a + 16 * lda + kb * 32, lda * 2);
+                _tile_loadd(6, b0 + kb * 256, 64);
+                _tile_loadd(7, b1 + kb * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c, 128);
+            _tile_stored(1, c + 16, 128);
+            _tile_stored(2, c + 16 * 32, 128);
+            _tile_stored(3, c + 16 * 32 + 16, 128);
+            int64_t nc = d1 - c0 < 32 ? d1 - c0 : 32;
+            __mmask16 k0 = nc >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nc) - 1u);
+            __mmask16 k1 = nc >= 32 ? (__mmask16)0xFFFF : nc > 16 ? (__mmask16)((1u << (nc - 16)) - 1u) : 0;
+            for (int64_t t = 0; t < nt; t++) {
+                __m512 l = _mm512_set1_ps(j->lse[t0 + t]);
+                __m512 x0 = _mm512_sub_ps(_mm512_loadu_ps(c + 32 * t), l);
+                __m512 x1 = _mm512_sub_ps(_mm512_loadu_ps(c + 32 * t + 16), l);
+                if (j->out_bf16) {
+                    uint16_t *o = (uint16_t *)j->out + (t0 + t) * j->ld_out + c0;
+                    _mm256_mask_storeu_epi16(o, k0, (__m256i)_mm512_cvtneps_pbh(x0));
+                    if (k1) _mm256_mask_storeu_epi16(o + 16, k1, (__m256i)_mm512_cvtneps_pbh(x1));
+                } else {
+                    float *o = (float *)j->out + (t0 + t) * j->ld_out + c0;
+                    _mm512_mask_storeu_ps(o, k0, x0);
+                    if (k1) _mm512_mask_storeu_ps(o + 16, k1, x1);
+                }
+            }
+        }
+    }
+}
+
+static AMX void *out_worker(void *arg) {
+    out_job_t *j = (out_job_t *)arg;
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    uint16_t *tail_y = aligned_alloc(64, (size_t)(32 * j->H * 2 + 64) / 64 * 64);
+    float *c = aligned_alloc(64, 32 * 32 * 4);
+    for (;;) {
+        int64_t q = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (q >= j->nchunk) break;
+        int64_t d0 = q * j->chunk_cols, d1 = d0 + j->chunk_cols < j->Vd ? d0 + j->chunk_cols : j->Vd;
+        out_chunk(j, d0, d1, tail_y, c);
+    }
+    free(tail_y);
+    free(c);
+    _tile_release();
+    return NULL;
+}
+
+/* Pass 2 (see the header): out = the draft logits minus lse, chunks of chunk_cols columns (a
+   multiple of 32) shared out among nthreads threads. Returns 0, or -1 when a thread could not
+   start (the others did its work: the same result). */
+int ef_draft_out(const uint16_t *y, int64_t ldy, int64_t N, int64_t H, const uint32_t *wdp, int64_t Vd,
+                 const float *lse, void *out, int64_t ld_out, int out_bf16, int64_t chunk_cols, int nthreads) {
+    out_job_t job = {y, ldy, N, H, wdp, Vd, lse, out, ld_out, out_bf16, chunk_cols,
+                     (Vd + chunk_cols - 1) / chunk_cols, 0};
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > job.nchunk) nthreads = (int)job.nchunk;
+    pthread_t *th = calloc(nthreads, sizeof *th);
+    int rc = 0, started = 0;
+    for (int i = 1; i < nthreads; i++) {
+        if (pthread_create(&th[i], NULL, out_worker, &job)) {
+            rc = -1;
+            break;
+        }
+        started = i;
+    }
+    out_worker(&job);
+    for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
+    free(th);
     return rc;
 }
