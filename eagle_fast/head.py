@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from eagle_fast.checkpoint import weight_files
 from eagle_fast.errors import UserError
-from eagle_fast.kernels import lm_head, lm_head_logits
+from eagle_fast.kernels import compiled_walk_serves, lm_head, lm_head_logits
 from eagle_fast.kernels.lm_head_torch import normalize
 
 __all__ = ["HeadSpec", "TargetHead", "check_finite", "head_spec_from_config", "text_config"]
@@ -369,13 +369,9 @@ class TargetHead:
         if self._embed_weight is None:
             src = self._source
             if not src:
-                raise RuntimeError(
-                    "TargetHead built from tensors has no checkpoint to read the embedding from"
-                )
+                raise RuntimeError("TargetHead built from tensors has no checkpoint to read the embedding from")
             name = src["embed"]
-            self._embed_weight = _load_tensors(
-                src["files"], {name}, dtype=src["dtype"], device=src["device"]
-            )[name]
+            self._embed_weight = _load_tensors(src["files"], {name}, dtype=src["dtype"], device=src["device"])[name]
         return self._embed_weight
 
     # -- compute --------------------------------------------------------------------------------
@@ -444,6 +440,12 @@ class TargetHead:
 
     def _on_device(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.to(device=self.device, dtype=self.dtype)
+
+    def rounds_once(self, outputs: Sequence[str], k: int = 0, impl: str = "auto") -> bool:
+        """Whether `compute` rounds these outputs once from fp32 and keeps no fp32 copy (the compiled CPU walk)."""
+        spec = self.spec
+        return impl in ("auto", "torch") and compiled_walk_serves(outputs, k, self.lm_head_weight, spec.logit_scale,
+                                                                  spec.softcap)
 
     def _norm_args(self) -> dict:
         """The head's `lm_head` / `lm_head_logits` arguments besides hidden and weight."""

@@ -301,6 +301,10 @@ def supervise(
     # transient of the group sits next to the fp32 one. Not with a top-k, whose log-probs the
     # head rounds from float64 (fp32 first would round twice).
     rounds_itself = {"topk", "draft_topk"} & set(head_outputs)
+    # The compiled CPU walk rounds once from fp32 and keeps no fp32 copy: asking it for out_dtype
+    # gives the copy's bits with half the staging (and the group plan changes nothing it returns:
+    # its bytes per token do not depend on the other rows of a call).
+    rounds_itself = rounds_itself or (into.copies and head.rounds_once(head_outputs, k, impl))
     head_dtype = torch.float32 if into.copies and not rounds_itself else out_dtype
     lens = [f.shape[0] for f in finals]
     staged, kept = bytes_per_token(head, head_outputs, with_hidden, draft_ids, k, head_dtype, out_dtype)

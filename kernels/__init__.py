@@ -54,10 +54,11 @@ from ._common import (
     empty_output,
 )
 from ._cpu import one_thread_here, per_thread_counts_available
+from ._native import serves as compiled_walk_serves
 from .lm_head_torch import lm_head_logits_torch
 
 __all__ = ["HEAD_PHASES", "LSE_OUTPUTS", "OUTPUT_NAMES", "OUT_DTYPE_FIELDS", "SPAN_PREFIX", "HeadOutput",
-           "draft_ids_from_d2t", "draft_ids_from_t2d", "lm_head", "lm_head_logits", "one_thread_here",
+           "compiled_walk_serves", "draft_ids_from_d2t", "draft_ids_from_t2d", "lm_head", "lm_head_logits", "one_thread_here",
            "per_thread_counts_available"]
 
 IMPLS = ("auto", "triton", "torch")

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from ._cpu import hardware_isa, isa_capped
+from ._cpu import bf16_gemm_available, hardware_isa, isa_capped
 
 SOURCE = Path(__file__).with_name("csrc") / "head_cpu.c"
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-fno-strict-aliasing", "-pthread")
@@ -169,6 +169,16 @@ def usable(y: torch.Tensor, weight: torch.Tensor, logit_scale: float, softcap) -
     return (enabled() and y.device.type == "cpu" and y.dtype == weight.dtype == torch.bfloat16
             and y.shape[1] % 32 == 0 and y.shape[1] > 0 and logit_scale == 1.0 and softcap is None
             and weight.stride(1) == 1 and weight.shape[0] < 2**31 and kind() is not None)
+
+
+def serves(outputs, k: int, weight: torch.Tensor, logit_scale: float = 1.0, softcap=None) -> bool:
+    """Whether `lm_head(impl="torch")` hands a CPU call with these settings to the compiled walk
+    (it still checks, per call, that the logits are provably finite): "draft" with neither
+    top-k nor a full-vocabulary output, a bf16 weight the bf16 GEMM path keeps in bf16."""
+    outs = set(outputs)
+    return ("draft" in outs and not k and not outs & {"logits", "logprobs", "topk", "draft_topk"}
+            and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bf16_gemm_available()
+            and usable(weight[:0], weight, logit_scale, softcap))
 
 
 def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor, y_norm: torch.Tensor,

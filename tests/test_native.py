@@ -212,3 +212,33 @@ def test_packed_draft_rows_follow_the_weight_and_the_ids():
     assert bool((ids[1:] > ids[:-1]).all())
     out, _ = _call(hidden, weight, norm_weight, ids)
     _check_oracle(out, hidden, weight, norm_weight, ids)
+
+
+def test_padded_supervision_asks_the_walk_for_its_dtype_with_the_same_bits():
+    """`supervise` into [B, S] fields asks a head the compiled walk serves for bf16 directly
+    (half the staging, no fp32 copy); the bits are those of rounding its fp32 results."""
+    from eagle_fast import supervision as SV
+    from eagle_fast.head import HeadSpec, TargetHead
+
+    hidden, weight, norm_weight, ids = _inputs(90, 64, 700, 150, seed=21)
+    head = TargetHead(weight, norm_weight, HeadSpec(norm="rms", eps=1e-6))
+    assert head.rounds_once(("draft", "argmax")) == HERE
+    assert not head.rounds_once(("draft", "topk"), k=4)
+    finals = [hidden[:50], hidden[50:]]
+    got, dtypes = {}, []
+    real = head.compute
+
+    def compute(*a, **k):
+        dtypes.append(k["out_dtype"])
+        return real(*a, **k)
+
+    for label, once in (("asked", HERE), ("rounded", False)):
+        into = SV.PaddedFields(2, 50, torch.device("cpu"), torch.bfloat16)
+        with mock.patch.object(head, "rounds_once", return_value=once), mock.patch.object(head, "compute", compute):
+            SV.supervise(head, list(finals), ("draft", "argmax"), into, draft_ids=ids, out_dtype=torch.bfloat16)
+        got[label] = into.fields
+    assert dtypes[0] == (torch.bfloat16 if HERE else torch.float32) and dtypes[-1] == torch.float32
+    assert got["asked"].keys() == got["rounded"].keys()
+    for name, t in got["asked"].items():
+        assert torch.equal(t.view(torch.uint8) if t.is_floating_point() else t,
+                           got["rounded"][name].view(torch.uint8) if t.is_floating_point() else got["rounded"][name]), name

@@ -34,7 +34,8 @@ def two_threads():
 
 
 class Recorder:
-    """Wraps head.compute: which threads ran it, and the most calls running at once."""
+    """Wraps head.compute: which threads ran it (by name: each call's pool names its two threads
+    alike, while their idents are only reused by chance), and the most calls running at once."""
 
     def __init__(self, head, fail_at: int | None = None, when_both_run=None):
         self.threads, self.running, self.most, self.calls = set(), 0, 0, 0
@@ -48,7 +49,7 @@ class Recorder:
             call = self.calls
             self.running += 1
             self.most = max(self.most, self.running)
-            self.threads.add(threading.get_ident())
+            self.threads.add(threading.current_thread().name)
         try:
             if call <= 2:  # the first two groups meet: they run at the same time, or this times out
                 self.both_in.wait()
