@@ -233,6 +233,7 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     argmax = arg.gather(0, first[None]).squeeze(0).long()
     full_lse = None if asum is None else _merged_lse(best, asum[:, :N])
     draft_lse = _merged_lse(dmax, dsum)
+    del best, arg, dmax, dsum, asum, top, first  # pass 1's statistics, before pass 2's output exists
     # pass 2: the draft columns again, minus their lse, rounded once, written row by row
     wdp = packed_draft(weight, ids)
     direct = out_dtype in (torch.float32, torch.bfloat16)
