@@ -235,12 +235,19 @@ def floors_section(d: dict) -> list[str]:
     names = list(d["cases"][0]["vs_floor"]) if d.get("cases") else []
     out = section_head("The CPU head's floor (`bench_floors.py`)", d,
                        ("`lm_head((\"draft\", \"argmax\"))` against every GEMM PyTorch offers for the shape, side by "
-                        "side; each cell is the median time as a multiple of the fastest GEMM (the floor). "
-                        "`two-gemms` is the least a byte-identical head can cost here."))
+                        "side; each cell is the median time as a multiple of the fastest GEMM (the floor). `head` "
+                        "runs the compiled AMX walk where it runs (" + str(d.get("compiled_walk", "not in this run"))
+                        + "), `head-screen` and `head-exact` the PyTorch path; `two-gemms` is the least the "
+                        "PyTorch path's bytes can cost here."))
     out += table(["shape", "N", "H", "V", "draft", "floor", *names],
                  [[c["shape"], c["N"], c["H"], c["V"], c["draft"], f"{c['floor']} {fmt_s(c['median_s'][c['floor']])}",
                    *(f"{c['vs_floor'][n]:.2f}x" for n in names)] for c in d["cases"]])
     out += table(["shape", "pairs recomputed per row", "exact tiles", "same bytes as the exact walk"],
                  [[c["shape"], f"{c['screen']['pairs_per_row']:.2f}", c["screen"]["exact_tiles"], c["same_bytes"]]
                   for c in d["cases"]])
+    apart = [(c["shape"], c["compiled_vs_exact"]) for c in d["cases"] if c.get("compiled_vs_exact")]
+    if apart:
+        out += table(["shape", "compiled walk vs exact walk: draft log-probs, max abs", "argmax agreeing"],
+                     [[shape, f"{a['draft_logprobs_max_abs']:.2g}", f"{100 * a['argmax_agree']:.3f} %"]
+                      for shape, a in apart])
     return out

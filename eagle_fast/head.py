@@ -443,9 +443,8 @@ class TargetHead:
 
     def rounds_once(self, outputs: Sequence[str], k: int = 0, impl: str = "auto") -> bool:
         """Whether `compute` rounds these outputs once from fp32 and keeps no fp32 copy (the compiled CPU walk)."""
-        spec = self.spec
-        return impl in ("auto", "torch") and compiled_walk_serves(outputs, k, self.lm_head_weight, spec.logit_scale,
-                                                                  spec.softcap)
+        w, spec = self.lm_head_weight, self.spec
+        return impl in ("auto", "torch") and compiled_walk_serves(outputs, k, w, spec.logit_scale, spec.softcap)
 
     def _norm_args(self) -> dict:
         """The head's `lm_head` / `lm_head_logits` arguments besides hidden and weight."""

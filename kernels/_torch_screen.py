@@ -18,7 +18,8 @@ So the argmax is byte-identical to the exact walk's (tests/test_screen.py). Why 
 draft+argmax needs exact fp32 logits on the draft columns only, and PyTorch's fastest CPU GEMM
 rounds to bf16; its fp32-output mode is a process-wide flag a library must not set.
 
-Limits: bf16 weights on CPU with MKL's bf16 GEMM in hardware, logit_scale 1, no softcap,
+Limits: bf16 weights on CPU with MKL's bf16 GEMM in hardware where the compiled AMX walk
+(`_native`) does not serve the call, logit_scale 1, no softcap,
 N >= MIN_ROWS rows, H <= 8192 (the norm bound's margin), finite y and draft max; otherwise
 `screen_rest` returns False and the exact walk goes on. Many near-equal maxima (copied weight
 rows) cost an exact tile each. `counting()` totals the work of the calls made inside it

@@ -26,6 +26,9 @@ Design
     so neither is used: the head changes no global state. CUDA: tensor cores with fp32
     output (`torch.mm(..., out_dtype=torch.float32)`), or the upcast chunk where that
     overload is missing.
+    Compiled walk (`_native`): on AMX, ("draft", "argmax") and ("draft", "lse") with bf16
+    weights go to a compiled two-pass AMX kernel (fp32 sums, reductions in cache, the draft
+    log-probs rounded once); this path runs wherever it cannot (see `_native.serves`).
     Screen, then verify (`_torch_screen`): for ("draft", "argmax") with bf16 weights on
     AVX512-BF16/AMX, the columns past the draft range only decide the argmax. PyTorch's
     bf16-output GEMM (oneDNN) screens them; a proved error bound keeps only the columns that
