@@ -25,11 +25,18 @@ Bit-identity
     same run to run and for any thread count. They differ from the MKL-based walk's by the
     fp32 summation order (a few ulps of the logits), within the oracle's tolerance.
 
+Variants
+    "amx" (the default, on CPUs with AMX) and "avx512-bf16" (the same walk with VDPBF16PS, for
+    CPUs with AVX512-BF16 and no AMX such as AMD EPYC Zen 4): opt-in (EAGLE_FAST_CPU_NATIVE=
+    avx512-bf16, or `variant(...)`) until it is measured against such a CPU's floor
+    (`bench/bench_floors.py` under that setting); the tests run both wherever either runs.
+
 Limits
-    AMX (Linux, x86-64, not capped by ISA_CAPS), a C compiler, bf16 weights, H a multiple of
-    32, finite logits provably (||y|| ||w|| < 2^120, from the screen's norm bounds); otherwise
-    `usable` is False and the PyTorch path runs. EAGLE_FAST_CPU_NATIVE=0 (read at import) turns
-    it off; `switched(on)` overrides that for the calls inside a block.
+    AMX (or AVX512-BF16, opted in) on Linux x86-64, not capped by ISA_CAPS, a C compiler, bf16
+    weights, H a multiple of 32, finite logits provably (||y|| ||w|| < 2^120, from the screen's
+    norm bounds); otherwise `usable` is False and the PyTorch path runs.
+    EAGLE_FAST_CPU_NATIVE=0 (read at import) turns it off; `switched(on)` overrides that for the
+    calls inside a block.
 """
 
 from __future__ import annotations
@@ -55,8 +62,15 @@ from ._cpu import bf16_gemm_available, hardware_isa, isa_capped
 
 SOURCE = Path(__file__).with_name("csrc") / "head_cpu.c"
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-fno-strict-aliasing", "-pthread")
-ENABLED = os.environ.get("EAGLE_FAST_CPU_NATIVE", "1") != "0"
+# EAGLE_FAST_CPU_NATIVE (read at import): 0 off; 1 (default) the AMX kernel where the CPU has AMX;
+# avx512-bf16 the AVX512-BF16 kernel on a CPU with AVX512-BF16 (with or without AMX), which is
+# not the default anywhere until a CPU without AMX has measured it against its floor.
+_SETTING = os.environ.get("EAGLE_FAST_CPU_NATIVE", "1")
+ENABLED = _SETTING != "0"
+VARIANT = "avx512-bf16" if _SETTING == "avx512-bf16" else "amx"
+VARIANTS = ("amx", "avx512-bf16")
 _ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("native_enabled", default=None)
+_VARIANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("native_variant", default=None)
 
 # Vocabulary segments: at most this many, each a multiple of 32 rows (set by V alone).
 SEGMENTS = 64
@@ -75,6 +89,19 @@ def switched(on: bool) -> Iterator[None]:
         yield
     finally:
         _ENABLED.reset(token)
+
+
+@contextlib.contextmanager
+def variant(name: str) -> Iterator[None]:
+    """The kernel variant ("amx" or "avx512-bf16") for the calls made inside the block (as
+    `switched`), whatever EAGLE_FAST_CPU_NATIVE says."""
+    if name not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
+    token = _VARIANT.set(name)
+    try:
+        yield
+    finally:
+        _VARIANT.reset(token)
 
 
 def cache_dir() -> Path:
@@ -137,26 +164,31 @@ def library() -> ctypes.CDLL | None:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ef_amx_init.argtypes, lib.ef_amx_init.restype = [], i
     lib.ef_pack_y.argtypes, lib.ef_pack_y.restype = [p, i64, i64, i64, p], None
-    lib.ef_draft_argmax.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, p, p, i]
+    lib.ef_draft_argmax.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, p, p, i, i]
     lib.ef_draft_argmax.restype = i
-    lib.ef_draft_out.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i, i64, i]
+    lib.ef_draft_out.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i, i64, i, i]
     lib.ef_draft_out.restype = i
     return lib
 
 
-@functools.cache
 def kind() -> str | None:
-    """"amx" where the walk runs here (AMX hardware, not capped, built, tile state granted),
-    else None."""
-    if hardware_isa() != "AMX" or isa_capped():
+    """The kernel variant that runs here ("amx", "avx512-bf16"), or None: the one asked for
+    (`variant`, else EAGLE_FAST_CPU_NATIVE), where the CPU has it uncapped and it is built."""
+    return _kind(_VARIANT.get() or VARIANT)
+
+
+@functools.cache
+def _kind(name: str) -> str | None:
+    isa = hardware_isa()
+    if isa_capped() or isa not in ("AMX", "AVX512-BF16") or (name == "amx" and isa != "AMX"):
         return None
     lib = library()
     if lib is None:
         return None
-    if lib.ef_amx_init() != 0:
+    if name == "amx" and lib.ef_amx_init() != 0:
         _BUILD_ERROR.append("the kernel did not grant the AMX tile state (arch_prctl)")
         return None
-    return "amx"
+    return name
 
 
 def enabled() -> bool:
@@ -195,8 +227,10 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     logsumexp, rounded once to out_dtype. threads: torch's count for the calling thread by
     default; the bytes do not depend on it. RuntimeError where `kind()` is None.
     """
-    if kind() is None:
+    which = kind()
+    if which is None:
         raise RuntimeError(f"draft_argmax: {report()}")
+    amx = which == "amx"
     N, H = y.shape
     V = weight.shape[0]
     Vd = draft_ids.numel()
@@ -222,7 +256,7 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     ids = draft_ids.to(torch.int64).contiguous()
     rc = lib.ef_draft_argmax(weight.data_ptr(), weight.stride(0), V, H, yp.data_ptr(), N, ids.data_ptr(), Vd,
                              seg, chunk, group, best.data_ptr(), arg.data_ptr(), dmax.data_ptr(), dsum.data_ptr(),
-                             None if asum is None else asum.data_ptr(), threads)
+                             None if asum is None else asum.data_ptr(), threads, int(amx))
     if rc == -2:
         raise MemoryError("the compiled head walk could not allocate its draft mask")
     del yp
@@ -240,7 +274,7 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     out = empty_huge((N, Vd), out_dtype if direct else torch.float32)
     cols = max(32, min(_round_up(Vd, 32), CHUNK_BYTES // (2 * H) // 32 * 32))
     lib.ef_draft_out(y.data_ptr(), y.stride(0), N, H, wdp.data_ptr(), Vd, draft_lse.data_ptr(), out.data_ptr(),
-                     out.stride(0), int(out_dtype == torch.bfloat16), cols, threads)
+                     out.stride(0), int(out_dtype == torch.bfloat16), cols, threads, int(amx))
     return (out if direct else out.to(out_dtype)), argmax, full_lse
 
 
@@ -327,7 +361,8 @@ def report() -> str:
         return f"compiled head walk: {kind()}"
     why = build_error()
     if hardware_isa() != "AMX":
-        why = f"it needs AMX; this CPU has {hardware_isa()}"
+        why = (f"it needs AMX (or EAGLE_FAST_CPU_NATIVE=avx512-bf16 and AVX512-BF16); this CPU has "
+               f"{hardware_isa()}")
     elif isa_capped():
         why = "AMX is capped here (kernels._cpu.ISA_CAPS)"
     return f"compiled head walk: not used ({why})"

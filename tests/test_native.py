@@ -25,7 +25,22 @@ from _assert import assert_close, assert_ids_equal
 from _oracle import lm_head_oracle
 from eagle_fast.kernels import _native, lm_head, lm_head_torch
 
-HERE = _native.kind() is not None
+
+@pytest.fixture(autouse=True, params=_native.VARIANTS)
+def variant(request):
+    """Every test under each kernel variant: AMX, and AVX512-BF16 (the kernel for CPUs without
+    AMX, opt-in; it runs on an AMX CPU too, so it is tested wherever either runs)."""
+    with _native.variant(request.param):
+        yield request.param
+
+
+def here() -> bool:
+    return _native.kind() is not None
+
+
+def need_walk():
+    if not here():
+        pytest.skip(f"the compiled walk does not run here: {_native.report()}")
 ATOL, RTOL = 1e-4, 1e-5
 OUT_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-7}
 
@@ -85,7 +100,7 @@ def _check_oracle(out, hidden, weight, norm_weight, ids, out_dtype=torch.float32
 def test_matches_oracle(n, h, v, vd, out_dtype, outputs):
     hidden, weight, norm_weight, ids = _inputs(n, h, v, vd, seed=n * 7 + v)
     out, served = _call(hidden, weight, norm_weight, ids, outputs, out_dtype=out_dtype)
-    assert served == HERE, f"compiled walk served: {served}, available here: {_native.report()}"
+    assert served == here(), f"compiled walk served: {served}, available here: {_native.report()}"
     assert (out.lse is not None) == ("lse" in outputs)
     _check_oracle(out, hidden, weight, norm_weight, ids, out_dtype)
 
@@ -95,14 +110,14 @@ def test_first_and_last_ids_in_the_draft():
     ids = torch.tensor([0, 1, 31, 32, 500, v - 33, v - 2, v - 1])
     hidden, weight, norm_weight, ids = _inputs(20, 64, v, 0, seed=5, draft=ids)
     out, served = _call(hidden, weight, norm_weight, ids)
-    assert served == HERE
+    assert served == here()
     _check_oracle(out, hidden, weight, norm_weight, ids)
 
 
 def test_large_logits_keep_the_logsumexp():
     hidden, weight, norm_weight, ids = _inputs(33, 64, 1500, 400, seed=9, logit_std=60.0)
     out, served = _call(hidden, weight, norm_weight, ids, ("draft", "lse"))
-    assert served == HERE
+    assert served == here()
     _check_oracle(out, hidden, weight, norm_weight, ids)
 
 
@@ -115,15 +130,15 @@ def test_exact_ties_go_to_the_lowest_id():
     weight = torch.randint(-2, 3, (20, h), generator=g).bfloat16()[torch.randint(0, 20, (v,), generator=g)]
     ids = torch.randperm(v, generator=g)[:1500].sort().values
     out, served = _call(hidden, weight, None, ids, ("draft", "lse"), norm="none")
-    assert served == HERE
+    assert served == here()
     oracle = lm_head_oracle(hidden, weight, None, norm="none", draft_ids=ids)
     assert_ids_equal(out.argmax, oracle.argmax, name="argmax")
     assert_close(out.lse, oracle.lse, atol=1e-5, rtol=1e-6, name="lse")
     assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=1e-5, rtol=1e-6, name="draft_logprobs")
 
 
-@pytest.mark.skipif(not HERE, reason=f"the compiled walk does not run here: {_native.report()}")
 def test_same_bytes_run_to_run_and_for_any_thread_count():
+    need_walk()
     hidden, weight, _, ids = _inputs(200, 128, 3001, 900, seed=11)
     from eagle_fast.kernels._torch_screen import norm_upper
 
@@ -184,10 +199,10 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
-@pytest.mark.skipif(not HERE, reason=f"the compiled walk does not run here: {_native.report()}")
 def test_both_passes_see_the_same_logits():
     """Every id a draft id: pass 1's argmax (over its logits) is the argmax of pass 2's draft
     log-probs (its own logits minus one constant per row), and they sum to one."""
+    need_walk()
     hidden, weight, _, _ = _inputs(70, 96, 1200, 0, seed=13)
     ids = torch.arange(1200)
     from eagle_fast.kernels._torch_screen import norm_upper
@@ -199,8 +214,8 @@ def test_both_passes_see_the_same_logits():
                  name="logsumexp of the draft log-probs")
 
 
-@pytest.mark.skipif(not HERE, reason=f"the compiled walk does not run here: {_native.report()}")
 def test_packed_draft_rows_follow_the_weight_and_the_ids():
+    need_walk()
     hidden, weight, norm_weight, ids = _inputs(40, 64, 900, 200, seed=17)
     first = _call(hidden, weight, norm_weight, ids)[0]
     weight.mul_(-1.5)  # in place: same storage, a new version
@@ -222,7 +237,7 @@ def test_padded_supervision_asks_the_walk_for_its_dtype_with_the_same_bits():
 
     hidden, weight, norm_weight, ids = _inputs(90, 64, 700, 150, seed=21)
     head = TargetHead(weight, norm_weight, HeadSpec(norm="rms", eps=1e-6))
-    assert head.rounds_once(("draft", "argmax")) == HERE
+    assert head.rounds_once(("draft", "argmax")) == here()
     assert not head.rounds_once(("draft", "topk"), k=4)
     finals = [hidden[:50], hidden[50:]]
     got, dtypes = {}, []
@@ -232,12 +247,12 @@ def test_padded_supervision_asks_the_walk_for_its_dtype_with_the_same_bits():
         dtypes.append(k["out_dtype"])
         return real(*a, **k)
 
-    for label, once in (("asked", HERE), ("rounded", False)):
+    for label, once in (("asked", here()), ("rounded", False)):
         into = SV.PaddedFields(2, 50, torch.device("cpu"), torch.bfloat16)
         with mock.patch.object(head, "rounds_once", return_value=once), mock.patch.object(head, "compute", compute):
             SV.supervise(head, list(finals), ("draft", "argmax"), into, draft_ids=ids, out_dtype=torch.bfloat16)
         got[label] = into.fields
-    assert dtypes[0] == (torch.bfloat16 if HERE else torch.float32) and dtypes[-1] == torch.float32
+    assert dtypes[0] == (torch.bfloat16 if here() else torch.float32) and dtypes[-1] == torch.float32
     assert got["asked"].keys() == got["rounded"].keys()
     for name, t in got["asked"].items():
         assert torch.equal(t.view(torch.uint8) if t.is_floating_point() else t,

@@ -1,4 +1,4 @@
-/* The CPU head's draft + argmax on AMX: bf16 GEMMs with fp32 accumulation, reduced in cache.
+/* The CPU head's draft + argmax on AMX (or AVX512-BF16): bf16 GEMMs with fp32 sums, reduced in cache.
 
 What it does
     For y bf16 [N, H] (the normalised activation) and W bf16 [V, H] (the LM head), with s[t, v]
@@ -15,7 +15,8 @@ What it does
 Design
     Pass 1 computes s transposed, s^T = W y^T: W's rows are the A operand as they lie in memory
     (no packing, no gather) and y is packed once per call into the VNNI layout of the B operand
-    (`ef_pack_y`). A [32 vocab x 32 token] block is four 16 x 16 fp32 AMX tiles (TDPBF16PS);
+    (`ef_pack_y`). A [32 vocab x 32 token] block is four 16 x 16 fp32 AMX tiles (TDPBF16PS; or,
+    on CPUs without AMX, 16 AVX-512 accumulators per 8 rows, VDPBF16PS: `block_avx512`);
     each tile row is one vocab id across 16 tokens, so the per-token reductions are lane-wise
     vector maxima and sums. The vocabulary is cut into segments fixed by V alone (never by the
     thread count); a thread takes whole segments, each segment keeps its own per-token
@@ -23,16 +24,17 @@ Design
     stay in L2, each swept by the token blocks of a group that stays in the last-level cache.
     Pass 2 computes s itself, y W_d^T: y's rows are A as they lie, the draft rows of W (gathered
     and packed once per call) are B, and each tile row is one token's run of draft columns.
-    Both passes add the same products in the same k order (the two bf16 products of each
-    k pair, then the pair into the accumulator), so pass 2 reproduces pass 1's logits and the
-    log-probs sum to one as the logsumexp says. Every logit's summation order is fixed by H
+    Both passes run the same block kernel, which adds the same products in the same k order
+    whichever operand is A, so pass 2 reproduces pass 1's logits and the log-probs sum to one
+    as the logsumexp says (the AMX and AVX512-BF16 kernels differ from each other by fp32
+    rounding). Every logit's summation order is fixed by H
     alone and no reduction depends on the thread split: the same bits for any thread count.
 
 Limits
     H a multiple of 32; finite logits (the caller checks ||y|| ||w|| < 2^120); V < 2^31. The
-    caller has the AMX tile state granted (`ef_amx_init`). Products of bf16 values are exact in
-    fp32; AMX adds them in fp32 with denormals flushed (DAZ/FTZ), which the caller's error
-    bounds cover.
+    caller has the AMX tile state granted (`ef_amx_init`) when it asks for AMX. Products of bf16
+    values are exact in fp32; both instruction sets add them in fp32 with denormals flushed
+    (DAZ/FTZ), which the caller's error bounds cover.
 */
 #include <immintrin.h>
 #include <math.h>
@@ -84,7 +86,8 @@ typedef struct {
     int32_t *arg;
     double *dsum;
     double *asum; /* [nseg, Npad] or NULL: the sum of exp(s - best) over every column (lse) */
-    int next; /* the next segment to take */
+    int use_amx; /* AMX tiles, else AVX512-BF16 */
+    int next;    /* the next segment to take */
 } job_t;
 
 /* exp(x) for x <= 0 (Cephes expf's polynomial, within 2 ulp); -inf and x < -103 give ~0. */
@@ -161,20 +164,22 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-/* One [32 vocab x 32 token] block of s^T into c [32][32] fp32: AMX tiles 0-3 accumulate,
-   4-5 hold W's two 16-row halves, 6-7 the two 16-token halves of yp. The tile configuration
-   (`worker`): palette 1, all eight tiles 16 rows x 64 bytes. */
-static inline AMX void block_amx(const uint16_t *w, int64_t ldw, const uint32_t *yp0, const uint32_t *yp1,
+/* One [32 x 32] fp32 block c (row stride 32) = A B: A's 32 rows (bf16, row stride lda, k
+   contiguous: W's rows in pass 1, y's in pass 2) against two 16-lane halves b0, b1 of a packed
+   operand (`ef_pack_y`'s layout: y in pass 1, W's draft rows in pass 2), over KB blocks of 32 k.
+   AMX: tiles 0-3 accumulate, 4-5 hold A's two 16-row halves, 6-7 b0 and b1; the tile
+   configuration (set by each thread): palette 1, all eight tiles 16 rows x 64 bytes. */
+static inline AMX void block_amx(const uint16_t *a, int64_t lda, const uint32_t *b0, const uint32_t *b1,
                                  int64_t KB, float *c) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t kb = 0; kb < KB; kb++) {
-        _tile_loadd(4, w + kb * 32, ldw * 2);
-        _tile_loadd(5, w + 16 * ldw + kb * 32, ldw * 2);
-        _tile_loadd(6, yp0 + kb * 256, 64);
-        _tile_loadd(7, yp1 + kb * 256, 64);
+        _tile_loadd(4, a + kb * 32, lda * 2);
+        _tile_loadd(5, a + 16 * lda + kb * 32, lda * 2);
+        _tile_loadd(6, b0 + kb * 256, 64);
+        _tile_loadd(7, b1 + kb * 256, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6);
@@ -184,6 +189,55 @@ static inline AMX void block_amx(const uint16_t *w, int64_t ldw, const uint32_t 
     _tile_stored(1, c + 16, 128);
     _tile_stored(2, c + 16 * 32, 128);
     _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+/* The same block with AVX512-BF16 (CPUs without AMX): 8 rows at a time, 16 accumulators; each
+   k pair of a row is broadcast against the 16 lanes of b0 and of b1 (VDPBF16PS). */
+#define EF_ROW(i)                                                                            \
+    {                                                                                        \
+        __m512bh x = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(ak + (i) * lda + 2 * p)); \
+        acc##i##0 = _mm512_dpbf16_ps(acc##i##0, x, v0);                                      \
+        acc##i##1 = _mm512_dpbf16_ps(acc##i##1, x, v1);                                      \
+    }
+#define EF_STORE(i)                                          \
+    _mm512_storeu_ps(c + (r0 + (i)) * 32, acc##i##0);        \
+    _mm512_storeu_ps(c + (r0 + (i)) * 32 + 16, acc##i##1);
+static inline AVX512 void block_avx512(const uint16_t *a, int64_t lda, const uint32_t *b0, const uint32_t *b1,
+                                       int64_t KB, float *c) {
+    for (int r0 = 0; r0 < 32; r0 += 8) {
+        __m512 acc00 = _mm512_setzero_ps(), acc01 = acc00, acc10 = acc00, acc11 = acc00, acc20 = acc00,
+               acc21 = acc00, acc30 = acc00, acc31 = acc00, acc40 = acc00, acc41 = acc00, acc50 = acc00,
+               acc51 = acc00, acc60 = acc00, acc61 = acc00, acc70 = acc00, acc71 = acc00;
+        for (int64_t kb = 0; kb < KB; kb++) {
+            const uint16_t *ak = a + r0 * lda + kb * 32;
+            const uint32_t *pb0 = b0 + kb * 256, *pb1 = b1 + kb * 256;
+            for (int p = 0; p < 16; p++) {
+                __m512bh v0 = (__m512bh)_mm512_loadu_si512(pb0 + p * 16);
+                __m512bh v1 = (__m512bh)_mm512_loadu_si512(pb1 + p * 16);
+                EF_ROW(0) EF_ROW(1) EF_ROW(2) EF_ROW(3) EF_ROW(4) EF_ROW(5) EF_ROW(6) EF_ROW(7)
+            }
+        }
+        EF_STORE(0) EF_STORE(1) EF_STORE(2) EF_STORE(3) EF_STORE(4) EF_STORE(5) EF_STORE(6) EF_STORE(7)
+    }
+}
+
+static inline AMX void block(int use_amx, const uint16_t *a, int64_t lda, const uint32_t *b0, const uint32_t *b1,
+                             int64_t KB, float *c) {
+    if (use_amx)
+        block_amx(a, lda, b0, b1, KB, c);
+    else
+        block_avx512(a, lda, b0, b1, KB, c);
+}
+
+static AMX void tiles_on(void) {
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
 }
 
 static AVX512 void load_lanes(const job_t *job, int64_t seg, int64_t t0, lanes_t *s) {
@@ -238,7 +292,7 @@ static AMX void run_segment(job_t *job, int64_t seg, uint16_t *tail_w, float *c)
                         w = tail_w;
                         ld = H;
                     }
-                    block_amx(w, ld, yp0, yp1, KB, c);
+                    block(job->use_amx, w, ld, yp0, yp1, KB, c);
                     epilogue(job, c, rows, v0, t0, &s0);
                     if (t0 + 16 < job->N) epilogue(job, c + 16, rows, v0, t0 + 16, &s1);
                 }
@@ -251,14 +305,7 @@ static AMX void run_segment(job_t *job, int64_t seg, uint16_t *tail_w, float *c)
 
 static AMX void *worker(void *arg) {
     job_t *job = (job_t *)arg;
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    if (job->use_amx) tiles_on();
     uint16_t *tail_w = aligned_alloc(64, (size_t)(32 * job->H * 2 + 64) / 64 * 64);
     float *c = aligned_alloc(64, 32 * 32 * 4);
     for (;;) {
@@ -268,7 +315,7 @@ static AMX void *worker(void *arg) {
     }
     free(tail_w);
     free(c);
-    _tile_release();
+    if (job->use_amx) _tile_release();
     return NULL;
 }
 
@@ -279,13 +326,13 @@ static AMX void *worker(void *arg) {
 int ef_draft_argmax(const uint16_t *w, int64_t ldw, int64_t V, int64_t H, const uint32_t *yp, int64_t N,
                     const int64_t *draft_ids, int64_t Vd, int64_t seg_rows,
                     int64_t chunk_rows, int64_t group_rows, float *best, int32_t *arg, float *dmax,
-                    double *dsum, double *asum, int nthreads) {
+                    double *dsum, double *asum, int nthreads, int use_amx) {
     int64_t nblk = (V + 31) / 32;
     uint32_t *dmask = calloc(nblk, sizeof *dmask);
     if (!dmask) return -2;
     for (int64_t d = 0; d < Vd; d++) dmask[draft_ids[d] / 32] |= 1u << (draft_ids[d] % 32);
     job_t job = {w, ldw, V, H, yp, N, dmask, seg_rows, (V + seg_rows - 1) / seg_rows,
-                 chunk_rows, group_rows, best, dmax, arg, dsum, asum, 0};
+                 chunk_rows, group_rows, best, dmax, arg, dsum, asum, use_amx, 0};
     if (nthreads < 1) nthreads = 1;
     if (nthreads > job.nseg) nthreads = (int)job.nseg;
     pthread_t *th = calloc(nthreads, sizeof *th);
@@ -314,11 +361,12 @@ typedef struct {
     int64_t ld_out;
     int out_bf16;
     int64_t chunk_cols, nchunk;
+    int use_amx;
     int next;
 } out_job_t;
 
-/* One chunk of draft columns [d0, d1) for every token: C = y W_d^T in AMX tiles 0-3 (tiles 4-5:
-   two 16-token halves of y, 6-7: two 16-column halves of W_d), then x - lse, rounded, stored. */
+/* One chunk of draft columns [d0, d1) for every token: C = y W_d^T (`block`: A = y's rows, b =
+   two 16-column halves of W_d), then x - lse, rounded, stored. */
 static AMX void out_chunk(const out_job_t *j, int64_t d0, int64_t d1, uint16_t *tail_y, float *c) {
     const int64_t H = j->H, KB = H / 32;
     for (int64_t t0 = 0; t0 < j->N; t0 += 32) {
@@ -333,24 +381,7 @@ static AMX void out_chunk(const out_job_t *j, int64_t d0, int64_t d1, uint16_t *
         }
         for (int64_t c0 = d0; c0 < d1; c0 += 32) {
             const uint32_t *b0 = j->wdp + (c0 / 16) * KB * 256, *b1 = b0 + KB * 256;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t kb = 0; kb < KB; kb++) {
-                _tile_loadd(4, a + kb * 32, lda * 2);
-                _tile_loadd(5, a + 16 * lda + kb * 32, lda * 2);
-                _tile_loadd(6, b0 + kb * 256, 64);
-                _tile_loadd(7, b1 + kb * 256, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            _tile_stored(0, c, 128);
-            _tile_stored(1, c + 16, 128);
-            _tile_stored(2, c + 16 * 32, 128);
-            _tile_stored(3, c + 16 * 32 + 16, 128);
+            block(j->use_amx, a, lda, b0, b1, KB, c);
             int64_t nc = d1 - c0 < 32 ? d1 - c0 : 32;
             __mmask16 k0 = nc >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nc) - 1u);
             __mmask16 k1 = nc >= 32 ? (__mmask16)0xFFFF : nc > 16 ? (__mmask16)((1u << (nc - 16)) - 1u) : 0;
@@ -374,14 +405,7 @@ static AMX void out_chunk(const out_job_t *j, int64_t d0, int64_t d1, uint16_t *
 
 static AMX void *out_worker(void *arg) {
     out_job_t *j = (out_job_t *)arg;
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    if (j->use_amx) tiles_on();
     uint16_t *tail_y = aligned_alloc(64, (size_t)(32 * j->H * 2 + 64) / 64 * 64);
     float *c = aligned_alloc(64, 32 * 32 * 4);
     for (;;) {
@@ -392,7 +416,7 @@ static AMX void *out_worker(void *arg) {
     }
     free(tail_y);
     free(c);
-    _tile_release();
+    if (j->use_amx) _tile_release();
     return NULL;
 }
 
@@ -400,9 +424,10 @@ static AMX void *out_worker(void *arg) {
    multiple of 32) shared out among nthreads threads. Returns 0, or -1 when a thread could not
    start (the others did its work: the same result). */
 int ef_draft_out(const uint16_t *y, int64_t ldy, int64_t N, int64_t H, const uint32_t *wdp, int64_t Vd,
-                 const float *lse, void *out, int64_t ld_out, int out_bf16, int64_t chunk_cols, int nthreads) {
+                 const float *lse, void *out, int64_t ld_out, int out_bf16, int64_t chunk_cols, int nthreads,
+                 int use_amx) {
     out_job_t job = {y, ldy, N, H, wdp, Vd, lse, out, ld_out, out_bf16, chunk_cols,
-                     (Vd + chunk_cols - 1) / chunk_cols, 0};
+                     (Vd + chunk_cols - 1) / chunk_cols, use_amx, 0};
     if (nthreads < 1) nthreads = 1;
     if (nthreads > job.nchunk) nthreads = (int)job.nchunk;
     pthread_t *th = calloc(nthreads, sizeof *th);
