@@ -12,6 +12,7 @@ Both return a `HeadOutput` with 2-D / 1-D fields (N leading); the public functio
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass, fields
 
 import torch
@@ -161,3 +162,14 @@ def phase(name: str):
     if getattr(torch.autograd.profiler, "_is_profiler_enabled", True):  # a torch without the flag: always
         return torch.profiler.record_function(SPAN_PREFIX + name)
     return _NO_SPAN
+
+
+@contextlib.contextmanager
+def scoped(var: contextvars.ContextVar, value):
+    """`var` set to `value` for the calls made inside the block: this thread, and threads that
+    run in a copy of its context (`supervision.supervise`'s head pool does)."""
+    token = var.set(value)
+    try:
+        yield value
+    finally:
+        var.reset(token)

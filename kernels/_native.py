@@ -53,11 +53,11 @@ import subprocess
 import tempfile
 import threading
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from ._common import scoped
 from ._cpu import bf16_gemm_available, hardware_isa, isa_capped
 
 SOURCE = Path(__file__).with_name("csrc") / "head_cpu.c"
@@ -80,28 +80,17 @@ CHUNK_BYTES = 1536 << 10
 GROUP_BYTES = 8 << 20
 
 
-@contextlib.contextmanager
-def switched(on: bool) -> Iterator[None]:
-    """The compiled walk on or off for the calls made inside the block (this thread, and
-    threads running in a copy of its context)."""
-    token = _ENABLED.set(on)
-    try:
-        yield
-    finally:
-        _ENABLED.reset(token)
+def switched(on: bool) -> contextlib.AbstractContextManager:
+    """The compiled walk on or off for the calls made inside the block (`_common.scoped`)."""
+    return scoped(_ENABLED, on)
 
 
-@contextlib.contextmanager
-def variant(name: str) -> Iterator[None]:
-    """The kernel variant ("amx" or "avx512-bf16") for the calls made inside the block (as
-    `switched`), whatever EAGLE_FAST_CPU_NATIVE says."""
+def variant(name: str) -> contextlib.AbstractContextManager:
+    """The kernel variant ("amx" or "avx512-bf16") for the calls made inside the block, whatever
+    EAGLE_FAST_CPU_NATIVE says (`_common.scoped`)."""
     if name not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {name!r}")
-    token = _VARIANT.set(name)
-    try:
-        yield
-    finally:
-        _VARIANT.reset(token)
+    return scoped(_VARIANT, name)
 
 
 def cache_dir() -> Path:
@@ -258,7 +247,7 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
                              seg, chunk, group, best.data_ptr(), arg.data_ptr(), dmax.data_ptr(), dsum.data_ptr(),
                              None if asum is None else asum.data_ptr(), threads, int(amx))
     if rc == -2:
-        raise MemoryError("the compiled head walk could not allocate its draft mask")
+        raise MemoryError("the compiled head walk (pass 1) ran out of memory for its scratch")
     del yp
     best, arg, dmax, dsum = best[:, :N], arg[:, :N], dmax[:, :N], dsum[:, :N]
     # Merge the segments in order: the first segment holding the max has the lowest id.
@@ -273,8 +262,10 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     direct = out_dtype in (torch.float32, torch.bfloat16)
     out = empty_huge((N, Vd), out_dtype if direct else torch.float32)
     cols = max(32, min(_round_up(Vd, 32), CHUNK_BYTES // (2 * H) // 32 * 32))
-    lib.ef_draft_out(y.data_ptr(), y.stride(0), N, H, wdp.data_ptr(), Vd, draft_lse.data_ptr(), out.data_ptr(),
-                     out.stride(0), int(out_dtype == torch.bfloat16), cols, threads, int(amx))
+    rc = lib.ef_draft_out(y.data_ptr(), y.stride(0), N, H, wdp.data_ptr(), Vd, draft_lse.data_ptr(),
+                          out.data_ptr(), out.stride(0), int(out_dtype == torch.bfloat16), cols, threads, int(amx))
+    if rc == -2:
+        raise MemoryError("the compiled head walk (pass 2) ran out of memory for its scratch")
     return (out if direct else out.to(out_dtype)), argmax, full_lse
 
 

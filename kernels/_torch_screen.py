@@ -36,11 +36,10 @@ import os
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Iterator
 
 import torch
 
-from ._common import phase
+from ._common import phase, scoped
 from ._cpu import bf16_gemm_is_native, gemm_bf16_f32
 
 # Read once, at import: EAGLE_FAST_CPU_SCREEN=0 turns the screen off for the process.
@@ -50,26 +49,14 @@ _ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("screen_e
 _COUNTS: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("screen_counts", default=None)
 
 
-@contextlib.contextmanager
-def switched(on: bool) -> Iterator[None]:
-    """The screen on or off for the calls made inside the block (this thread, and threads
-    running in a copy of its context)."""
-    token = _ENABLED.set(on)
-    try:
-        yield
-    finally:
-        _ENABLED.reset(token)
+def switched(on: bool) -> contextlib.AbstractContextManager:
+    """The screen on or off for the calls made inside the block (`_common.scoped`)."""
+    return scoped(_ENABLED, on)
 
 
-@contextlib.contextmanager
-def counting() -> Iterator[Counter]:
+def counting() -> contextlib.AbstractContextManager[Counter]:
     """A Counter of the screen's work in the calls made inside the block (as `switched`)."""
-    counts: Counter = Counter()
-    token = _COUNTS.set(counts)
-    try:
-        yield counts
-    finally:
-        _COUNTS.reset(token)
+    return scoped(_COUNTS, Counter())
 
 
 _COUNT_LOCK = threading.Lock()  # the counter is shared by the context copies of a head pool

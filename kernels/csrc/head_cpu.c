@@ -88,6 +88,7 @@ typedef struct {
     double *asum; /* [nseg, Npad] or NULL: the sum of exp(s - best) over every column (lse) */
     int use_amx; /* AMX tiles, else AVX512-BF16 */
     int next;    /* the next segment to take */
+    int done;    /* segments walked: all of them, unless no thread could allocate its scratch */
 } job_t;
 
 /* exp(x) for x <= 0 (Cephes expf's polynomial, within 2 ulp); -inf and x < -103 give ~0. */
@@ -125,8 +126,7 @@ static inline AVX512 void rescale_add(__m512d *lo, __m512d *hi, __m512 scale, __
 
 /* Reduce one [rows x 16] fp32 slab c (row stride 32 floats: one vocab id per row, ids v0 + i)
    into the lanes. */
-static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, int64_t v0, int64_t t0,
-                                   lanes_t *s) {
+static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, int64_t v0, lanes_t *s) {
     /* argmax over every row: only rows that beat the running best matter */
     __m512 bm = _mm512_loadu_ps(c);
     for (int i = 1; i < rows; i++) bm = _mm512_max_ps(bm, _mm512_loadu_ps(c + 32 * i));
@@ -293,8 +293,8 @@ static AMX void run_segment(job_t *job, int64_t seg, uint16_t *tail_w, float *c)
                         ld = H;
                     }
                     block(job->use_amx, w, ld, yp0, yp1, KB, c);
-                    epilogue(job, c, rows, v0, t0, &s0);
-                    if (t0 + 16 < job->N) epilogue(job, c + 16, rows, v0, t0 + 16, &s1);
+                    epilogue(job, c, rows, v0, &s0);
+                    if (t0 + 16 < job->N) epilogue(job, c + 16, rows, v0, &s1);
                 }
                 store_lanes(job, seg, t0, &s0);
                 store_lanes(job, seg, t0 + 16, &s1);
@@ -308,10 +308,11 @@ static AMX void *worker(void *arg) {
     if (job->use_amx) tiles_on();
     uint16_t *tail_w = aligned_alloc(64, (size_t)(32 * job->H * 2 + 64) / 64 * 64);
     float *c = aligned_alloc(64, 32 * 32 * 4);
-    for (;;) {
+    while (tail_w && c) { /* a thread without scratch takes no segment: the others walk them */
         int64_t seg = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
         if (seg >= job->nseg) break;
         run_segment(job, seg, tail_w, c);
+        __atomic_fetch_add(&job->done, 1, __ATOMIC_RELAXED);
     }
     free(tail_w);
     free(c);
@@ -319,10 +320,28 @@ static AMX void *worker(void *arg) {
     return NULL;
 }
 
+/* fn(job) on nthreads threads, this one among them; each takes work from the job until none is
+   left, so a thread that cannot start changes no result. Returns 0, or -1 when one could not. */
+static int run_threads(void *(*fn)(void *), void *job, int nthreads) {
+    pthread_t *th = nthreads > 1 ? calloc(nthreads, sizeof *th) : NULL;
+    int rc = nthreads > 1 && !th ? -1 : 0, started = 0;
+    for (int i = 1; th && i < nthreads; i++) {
+        if (pthread_create(&th[i], NULL, fn, job)) {
+            rc = -1;
+            break;
+        }
+        started = i;
+    }
+    fn(job);
+    for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
+    free(th);
+    return rc;
+}
+
 /* The walk (see the header). best/dmax/arg/dsum (and asum, or NULL without the full lse):
    [nseg, Npad] (Npad = N rounded up to 32), set up by the caller (best, dmax -inf; arg 0;
-   sums 0). Returns 0, or -1 when a thread could
-   not start (the walk then ran on fewer threads, with the same result). */
+   sums 0). Returns 0; -1 when a thread could not start (the others did its work: the same
+   result); -2 when memory ran out and the walk is incomplete. */
 int ef_draft_argmax(const uint16_t *w, int64_t ldw, int64_t V, int64_t H, const uint32_t *yp, int64_t N,
                     const int64_t *draft_ids, int64_t Vd, int64_t seg_rows,
                     int64_t chunk_rows, int64_t group_rows, float *best, int32_t *arg, float *dmax,
@@ -332,23 +351,10 @@ int ef_draft_argmax(const uint16_t *w, int64_t ldw, int64_t V, int64_t H, const 
     if (!dmask) return -2;
     for (int64_t d = 0; d < Vd; d++) dmask[draft_ids[d] / 32] |= 1u << (draft_ids[d] % 32);
     job_t job = {w, ldw, V, H, yp, N, dmask, seg_rows, (V + seg_rows - 1) / seg_rows,
-                 chunk_rows, group_rows, best, dmax, arg, dsum, asum, use_amx, 0};
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > job.nseg) nthreads = (int)job.nseg;
-    pthread_t *th = calloc(nthreads, sizeof *th);
-    int rc = 0, started = 0;
-    for (int i = 1; i < nthreads; i++) {
-        if (pthread_create(&th[i], NULL, worker, &job)) {
-            rc = -1;
-            break;
-        }
-        started = i;
-    }
-    worker(&job);
-    for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
-    free(th);
+                 chunk_rows, group_rows, best, dmax, arg, dsum, asum, use_amx, 0, 0};
+    int rc = run_threads(worker, &job, nthreads < 1 ? 1 : nthreads > job.nseg ? (int)job.nseg : nthreads);
     free(dmask);
-    return rc;
+    return job.done < job.nseg ? -2 : rc;
 }
 
 typedef struct {
@@ -362,7 +368,7 @@ typedef struct {
     int out_bf16;
     int64_t chunk_cols, nchunk;
     int use_amx;
-    int next;
+    int next, done; /* as job_t's */
 } out_job_t;
 
 /* One chunk of draft columns [d0, d1) for every token: C = y W_d^T (`block`: A = y's rows, b =
@@ -408,11 +414,12 @@ static AMX void *out_worker(void *arg) {
     if (j->use_amx) tiles_on();
     uint16_t *tail_y = aligned_alloc(64, (size_t)(32 * j->H * 2 + 64) / 64 * 64);
     float *c = aligned_alloc(64, 32 * 32 * 4);
-    for (;;) {
+    while (tail_y && c) {
         int64_t q = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (q >= j->nchunk) break;
         int64_t d0 = q * j->chunk_cols, d1 = d0 + j->chunk_cols < j->Vd ? d0 + j->chunk_cols : j->Vd;
         out_chunk(j, d0, d1, tail_y, c);
+        __atomic_fetch_add(&j->done, 1, __ATOMIC_RELAXED);
     }
     free(tail_y);
     free(c);
@@ -421,26 +428,12 @@ static AMX void *out_worker(void *arg) {
 }
 
 /* Pass 2 (see the header): out = the draft logits minus lse, chunks of chunk_cols columns (a
-   multiple of 32) shared out among nthreads threads. Returns 0, or -1 when a thread could not
-   start (the others did its work: the same result). */
+   multiple of 32) shared out among nthreads threads. Returns as ef_draft_argmax. */
 int ef_draft_out(const uint16_t *y, int64_t ldy, int64_t N, int64_t H, const uint32_t *wdp, int64_t Vd,
                  const float *lse, void *out, int64_t ld_out, int out_bf16, int64_t chunk_cols, int nthreads,
                  int use_amx) {
     out_job_t job = {y, ldy, N, H, wdp, Vd, lse, out, ld_out, out_bf16, chunk_cols,
-                     (Vd + chunk_cols - 1) / chunk_cols, use_amx, 0};
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > job.nchunk) nthreads = (int)job.nchunk;
-    pthread_t *th = calloc(nthreads, sizeof *th);
-    int rc = 0, started = 0;
-    for (int i = 1; i < nthreads; i++) {
-        if (pthread_create(&th[i], NULL, out_worker, &job)) {
-            rc = -1;
-            break;
-        }
-        started = i;
-    }
-    out_worker(&job);
-    for (int i = 1; i <= started; i++) pthread_join(th[i], NULL);
-    free(th);
-    return rc;
+                     (Vd + chunk_cols - 1) / chunk_cols, use_amx, 0, 0};
+    int rc = run_threads(out_worker, &job, nthreads < 1 ? 1 : nthreads > job.nchunk ? (int)job.nchunk : nthreads);
+    return job.done < job.nchunk ? -2 : rc;
 }
