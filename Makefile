@@ -53,7 +53,7 @@ test-avx2: $(STAMP)
 	  $(BIN)/python -m pytest -q $(ISA_TESTS)
 
 # pytest-benchmark over bench/bench_*.py (bench/run.py), then bench/RESULTS.md and the plots from
-# bench/results/*.json; see bench/README.md. About 58 minutes on 2 cores, 21 of them the
+# bench/results/*.json; see bench/README.md. About 55 minutes on 2 cores, 21 of them the
 # acceptance benchmark: the sum of the per-module wall times in bench/run.py (SECONDS, from the
 # recorded results), not a timed whole run.
 bench: $(STAMP)

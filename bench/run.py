@@ -47,7 +47,7 @@ MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline
 # Seconds each module took: `wall_s` of its results file in bench/results/ (a 2-core Xeon with AMX;
 # the trained tiny target of storage and accept already cached). host_path's file records none:
 # its figure is bench/README.md's "about 2 minutes".
-SECONDS = {"lm_head": 165, "runner": 177, "pipeline": 190, "cpu_ops": 36, "serve": 267, "ray": 128,
+SECONDS = {"lm_head": 109, "runner": 70, "pipeline": 190, "cpu_ops": 36, "serve": 267, "ray": 128,
            "storage": 10, "host_path": 120, "accept": 1277, "masks": 14, "engine_check": 331, "regenerate": 32,
            "engine_accept": 735}
 
