@@ -28,8 +28,12 @@ Bit-identity
 Variants
     "amx" (the default, on CPUs with AMX) and "avx512-bf16" (the same walk with VDPBF16PS, for
     CPUs with AVX512-BF16 and no AMX such as AMD EPYC Zen 4): opt-in (EAGLE_FAST_CPU_NATIVE=
-    avx512-bf16, or `variant(...)`) until it is measured against such a CPU's floor
-    (`bench/bench_floors.py` under that setting); the tests run both wherever either runs.
+    avx512-bf16, or `variant(...)`), and slow as written: on the Xeon with AMX it takes 3.6 s /
+    3.4 s at the floor shapes, twice MKL's fp32 GEMM of the same columns
+    (`EAGLE_FAST_CPU_NATIVE=avx512-bf16 python bench/bench_floors.py`), so it is no candidate for
+    a default until its block kernel (8 weight-pair broadcasts per 16 VDPBF16PS) is widened and a
+    CPU without AMX measures it against its floor. The tests run both variants wherever either
+    runs, so its bytes and bounds hold.
 
 Limits
     AMX (or AVX512-BF16, opted in) on Linux x86-64, not capped by ISA_CAPS, a C compiler, bf16
