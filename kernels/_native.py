@@ -1,11 +1,12 @@
 """The CPU head's compiled draft + argmax walk (`csrc/head_cpu.c`): build, load, call.
 
 What it does
-    `draft_argmax(y, weight, draft_ids, out_dtype)` is `lm_head_torch`'s ("draft", "argmax") on
-    CPUs with AMX: one pass over the vocabulary computes every fp32 logit with AMX tiles
-    (bf16 products, fp32 accumulation), keeps each token's argmax and the draft logits with
-    their logsumexp, and never writes an [N, V] buffer. The draft log-probs are then the raw
-    draft logits minus that logsumexp, as the PyTorch path defines them.
+    `draft_argmax(y, weight, draft_ids, ...)` is `lm_head_torch`'s ("draft", "argmax") and
+    ("draft", "lse") on CPUs with AMX, in two passes of AMX tiles (bf16 products, fp32 sums):
+    pass 1 walks the whole vocabulary once and keeps, per token, the argmax, the draft
+    logsumexp and (asked for) the full one; pass 2 recomputes the draft columns (the same
+    logits, bit for bit) and writes `logit - draft lse` rounded once to the output dtype. No
+    [N, V] buffer and no fp32 [N, Vd] buffer ever exist.
 
 Design
     PyTorch's fastest CPU GEMM (oneDNN, bf16 output) rounds logits to bf16, and its only
@@ -14,7 +15,7 @@ Design
     source ships in the package and is compiled on first use with the system C compiler (`cc`,
     or $CC) into a per-user cache (`cache_dir()`), keyed by the source, the compiler and the
     flags; `report()` builds it ahead (`make venv` calls it). It links
-    nothing but libc, so no OpenMP or MKL runtime is shared with torch: the walk starts its own
+    nothing but libc (libm, pthreads), so no OpenMP or MKL runtime is shared with torch: the walk starts its own
     threads (torch's per-thread count, so a head pool worker's call runs on one) and keeps no
     state between calls. AMX needs the tile state granted by the kernel (arch_prctl, as oneDNN
     asks for it); that permission is the process's, asked once, and changes nothing else.
