@@ -39,7 +39,7 @@ Variants
 Limits
     AMX (or AVX512-BF16, opted in) on Linux x86-64, not capped by ISA_CAPS, a C compiler, bf16
     weights, H a multiple of 32, finite logits provably (||y|| ||w|| < 2^120, from the screen's
-    norm bounds); otherwise `usable` is False and the PyTorch path runs.
+    norm bounds); otherwise `serves` is False and the PyTorch path runs.
     EAGLE_FAST_CPU_NATIVE=0 (read at import) turns it off; `switched(on)` overrides that for the
     calls inside a block.
 """
@@ -190,21 +190,16 @@ def enabled() -> bool:
     return ENABLED if on is None else on
 
 
-def usable(y: torch.Tensor, weight: torch.Tensor, logit_scale: float, softcap) -> bool:
-    """Whether `draft_argmax` may serve this call (the cheap checks; the norm bound is its own)."""
-    return (enabled() and y.device.type == "cpu" and y.dtype == weight.dtype == torch.bfloat16
-            and y.shape[1] % 32 == 0 and y.shape[1] > 0 and logit_scale == 1.0 and softcap is None
-            and weight.stride(1) == 1 and weight.shape[0] < 2**31 and kind() is not None)
-
-
 def serves(outputs, k: int, weight: torch.Tensor, logit_scale: float = 1.0, softcap=None) -> bool:
-    """Whether `lm_head(impl="torch")` hands a CPU call with these settings to the compiled walk
-    (it still checks, per call, that the logits are provably finite): "draft" with neither
-    top-k nor a full-vocabulary output, a bf16 weight the bf16 GEMM path keeps in bf16."""
+    """Whether `lm_head(impl="torch")` hands a call with these settings to the compiled walk (it
+    still checks, per call, that the logits are provably finite): "draft" with neither top-k nor
+    a full-vocabulary output, a bf16 CPU weight the bf16 GEMM path keeps in bf16 (so the
+    activation is bf16 too), H a multiple of 32, no scale or softcap, a variant that runs here."""
     outs = set(outputs)
-    return ("draft" in outs and not k and not outs & {"logits", "logprobs", "topk", "draft_topk"}
-            and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and bf16_gemm_available()
-            and usable(weight[:0], weight, logit_scale, softcap))
+    return (enabled() and "draft" in outs and not k and not outs & {"logits", "logprobs", "topk", "draft_topk"}
+            and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.stride(1) == 1
+            and 0 < weight.shape[1] and weight.shape[1] % 32 == 0 and weight.shape[0] < 2**31
+            and logit_scale == 1.0 and softcap is None and bf16_gemm_available() and kind() is not None)
 
 
 def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor, y_norm: torch.Tensor,

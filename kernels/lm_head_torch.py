@@ -56,7 +56,7 @@ import torch
 from ._common import HeadOutput, HeadRequest, empty_output, phase
 from ._cpu import bf16_gemm_available, gemm_bf16_f32
 from ._native import draft_argmax as native_draft_argmax
-from ._native import usable as native_usable
+from ._native import serves as native_serves
 from ._torch_draft import draft_log_softmax, draft_topk_outputs
 from ._torch_running import RunningTopK, update_argmax
 from ._torch_screen import norm_upper, screen_enabled, screen_rest, weight_norms
@@ -283,6 +283,17 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
     f32, f64 = torch.float32, torch.float64
 
     y, on_cpu, C, R, w_buf = _gemm_operands(req, k)
+    if native_serves(req.outputs, k, weight, req.logit_scale, req.softcap):
+        # ("draft", "argmax"[, "lse"]) on AMX: the compiled walk (`_native`), every column in one
+        # pass, before any of this path's buffers or its column order exist
+        with phase("gemm"):
+            got = native_draft_argmax(y, weight, req.draft_ids, norm_upper(y), weight_norms(weight).max().item(),
+                                      lse=need_lse, out_dtype=req.out_dtype)
+        if got is not None:
+            draft_logprobs, run_arg, lse = got
+            pos = torch.searchsorted(req.draft_ids, run_arg).clamp_max(req.draft_ids.numel() - 1)
+            return HeadOutput(lse=lse, argmax=run_arg, draft_logprobs=draft_logprobs,
+                              argmax_in_draft=req.draft_ids[pos] == run_arg)
     # CPU: one reused, cache-sized tile; the weight chunk is upcast once per chunk and serves
     # every row block.
     tile_buf = torch.empty(R * C, dtype=f32, device=dev) if on_cpu else None
@@ -337,18 +348,6 @@ def lm_head_torch(req: HeadRequest) -> HeadOutput:
             starts = torch.tensor([c0 for c0, _ in chunks] + [V], device=dev)
             bounds = torch.searchsorted(draft_ids, starts).tolist()
 
-    if (keep_draft and draft_first and not k and on_cpu
-            and native_usable(y, weight, req.logit_scale, req.softcap)):
-        # ("draft", "argmax"[, "lse"]) on AMX: the compiled walk (`_native`), every column in one pass
-        with phase("gemm"):
-            got = native_draft_argmax(y, weight, draft_ids, norm_upper(y), weight_norms(weight).max().item(),
-                                      lse=need_lse, out_dtype=req.out_dtype)
-        if got is not None:
-            draft_logprobs, run_arg, lse = got
-            out = HeadOutput(lse=lse, argmax=run_arg, draft_logprobs=draft_logprobs)
-            pos = torch.searchsorted(draft_ids, run_arg).clamp_max(Vd - 1)
-            out.argmax_in_draft = draft_ids[pos] == run_arg
-            return out
     # ("draft", "argmax") past the draft range: a bf16 screen, verified (`_torch_screen`)
     screen = draft_first and not (need_lse or k) and screen_enabled(y, req.logit_scale, req.softcap)
     for j, (c0, c1) in enumerate(chunks):
