@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
+import weakref
 from dataclasses import dataclass, fields
 
 import torch
@@ -173,3 +175,32 @@ def scoped(var: contextvars.ContextVar, value):
         yield value
     finally:
         var.reset(token)
+
+
+class TensorMemo:
+    """Values made from tensors (a weight's norm bounds, its packed draft rows), each made once
+    and again after any of its tensors changes, kept for the `size` latest keys.
+
+    Keyed by each tensor's storage (held weakly: the public head call passes a fresh `detach()`
+    of the caller's tensor each time, whose storage object is the same), its view (offset,
+    shape, strides, dtype) and its version counter, which every in-place change bumps and which
+    detached views share. Thread-safe; two threads may make the same value once each."""
+
+    def __init__(self, size: int):
+        self._size, self._lock, self._seen = size, threading.Lock(), {}
+
+    def get(self, tensors: tuple, make):
+        key = tuple((id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                    for t in tensors)
+        versions = tuple(t._version for t in tensors)
+        with self._lock:
+            seen = self._seen.get(key)
+        if (seen and seen[1] == versions
+                and all(ref() is t.untyped_storage() for ref, t in zip(seen[0], tensors))):
+            return seen[2]
+        value = make()
+        with self._lock:
+            if len(self._seen) >= self._size and key not in self._seen:
+                self._seen.pop(next(iter(self._seen)))
+            self._seen[key] = (tuple(weakref.ref(t.untyped_storage()) for t in tensors), versions, value)
+        return value

@@ -56,13 +56,11 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
-import weakref
 from pathlib import Path
 
 import torch
 
-from ._common import scoped
+from ._common import TensorMemo, scoped
 from ._cpu import bf16_gemm_available, hardware_isa, isa_capped
 
 SOURCE = Path(__file__).with_name("csrc") / "head_cpu.c"
@@ -271,35 +269,21 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
 
 # The draft rows of the weights walked lately, packed for pass 2 (bf16, Vd x H: a fifth of the
 # weight at a 32k draft of 152k ids); repacking them per call cost more than pass 2 itself at a
-# few hundred tokens (supervision's groups). Keyed as `_torch_screen.weight_norms` keys its bounds:
-# the storages (held weakly), the views and their version counters, of the weight and the ids.
-_PACKS: dict[tuple, tuple] = {}
-_PACKS_LOCK = threading.Lock()
-
-
-def _key(t: torch.Tensor) -> tuple:
-    return (id(t.untyped_storage()), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+# few hundred tokens (supervision's groups).
+_PACKS = TensorMemo(2)
 
 
 def packed_draft(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """weight[ids] in pass 2's operand layout (`ef_pack_y`, zero-padded to 32 rows), made once
     per (weight, ids) and again after either changes."""
-    key = (_key(weight), _key(ids))
-    with _PACKS_LOCK:
-        seen = _PACKS.get(key)
-    if (seen and seen[0]() is weight.untyped_storage() and seen[1]() is ids.untyped_storage()
-            and seen[2] == (weight._version, ids._version)):
-        return seen[3]
-    vd, h = ids.numel(), weight.shape[1]
-    packed = torch.zeros(_round_up(vd, 32) // 16 * (h // 32) * 256, dtype=torch.int32)
-    rows = weight.index_select(0, ids)
-    library().ef_pack_y(rows.data_ptr(), vd, h, rows.stride(0), packed.data_ptr())
-    with _PACKS_LOCK:
-        while len(_PACKS) >= 2 and key not in _PACKS:
-            _PACKS.pop(next(iter(_PACKS)))
-        _PACKS[key] = (weakref.ref(weight.untyped_storage()), weakref.ref(ids.untyped_storage()),
-                       (weight._version, ids._version), packed)
-    return packed
+    def make():
+        vd, h = ids.numel(), weight.shape[1]
+        packed = torch.zeros(_round_up(vd, 32) // 16 * (h // 32) * 256, dtype=torch.int32)
+        rows = weight.index_select(0, ids)
+        library().ef_pack_y(rows.data_ptr(), vd, h, rows.stride(0), packed.data_ptr())
+        return packed
+
+    return _PACKS.get((weight, ids), make)
 
 
 def _merged_lse(maxima: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:

@@ -34,12 +34,11 @@ import contextvars
 import math
 import os
 import threading
-import weakref
 from collections import Counter
 
 import torch
 
-from ._common import phase, scoped
+from ._common import TensorMemo, phase, scoped
 from ._cpu import bf16_gemm_is_native, gemm_bf16_f32
 
 # Read once, at import: EAGLE_FAST_CPU_SCREEN=0 turns the screen off for the process.
@@ -95,32 +94,17 @@ def norm_upper(x: torch.Tensor) -> torch.Tensor:
     return norm.mul_(1 + _NORM_REL).add_(_NORM_ABS)
 
 
-# Row-norm bounds of the weights screened lately, one fp32 [V] each (0.6 MB at V=152k). A head
+# Row-norm bounds of the weights walked lately, one fp32 [V] each (0.6 MB at V=152k). A head
 # call walks all V rows: at the row counts supervision groups use (hundreds of tokens),
-# recomputing them per call cost about as much as the screen's GEMM. Keyed by the weight's
-# storage (held weakly: the public call passes a fresh `detach()` of the caller's tensor each
-# time, whose storage object is the same), its view (offset, shape, strides) and its version
-# counter, which every in-place change bumps and which detached views share.
-_WEIGHT_NORMS: dict[tuple, tuple] = {}
-_NORMS_LOCK = threading.Lock()
+# recomputing them per call cost about as much as the screen's GEMM.
+_WEIGHT_NORMS = TensorMemo(4)
 
 
 def weight_norms(weight: torch.Tensor) -> torch.Tensor:
     """`norm_upper(weight)`, computed once per weight (and again after it changes). Any fp32
     evaluation of a row's norm is within 2^-11 of it, so the bound holds whichever rows or
     shapes it was computed over."""
-    storage = weight.untyped_storage()
-    key = (id(storage), weight.storage_offset(), tuple(weight.shape), weight.stride(), weight.dtype)
-    with _NORMS_LOCK:
-        seen = _WEIGHT_NORMS.get(key)
-    if seen and seen[0]() is storage and seen[1] == weight._version:
-        return seen[2]
-    norms = norm_upper(weight)
-    with _NORMS_LOCK:
-        if len(_WEIGHT_NORMS) >= 4 and key not in _WEIGHT_NORMS:
-            _WEIGHT_NORMS.pop(next(iter(_WEIGHT_NORMS)))
-        _WEIGHT_NORMS[key] = (weakref.ref(storage), weight._version, norms)
-    return norms
+    return _WEIGHT_NORMS.get((weight,), lambda: norm_upper(weight))
 
 
 def fp32_gap(y_norm: torch.Tensor, w_norm: torch.Tensor, hidden: int) -> torch.Tensor:
