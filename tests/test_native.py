@@ -24,6 +24,7 @@ import torch
 from _assert import assert_close, assert_ids_equal
 from _oracle import lm_head_oracle
 from eagle_fast.kernels import _native, lm_head, lm_head_torch
+from test_lm_head import check_outputs
 
 
 @pytest.fixture(autouse=True, params=_native.VARIANTS)
@@ -42,7 +43,6 @@ def need_walk():
     if not here():
         pytest.skip(f"the compiled walk does not run here: {_native.report()}")
 ATOL, RTOL = 1e-4, 1e-5
-OUT_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-7}
 
 
 def _inputs(n, h, v, vd, seed, logit_std=4.0, draft=None):
@@ -69,23 +69,11 @@ def _call(hidden, weight, norm_weight, ids, outputs=("draft", "argmax"), **kw):
     return out, any(served)
 
 
-def _check_oracle(out, hidden, weight, norm_weight, ids, out_dtype=torch.float32, exact_ids=False):
-    oracle = lm_head_oracle(hidden, weight, norm_weight, draft_ids=ids)
-    yard = lm_head_oracle(hidden, weight, norm_weight, draft_ids=ids, same_dtype=True)
-    err_same = float((yard.draft_logprobs.double() - oracle.draft_logprobs).abs().max())
-    assert out.draft_logprobs.dtype == out_dtype
-    assert_close(out.draft_logprobs, oracle.draft_logprobs, atol=2 * err_same + ATOL,
-                 rtol=RTOL + OUT_ULP[out_dtype], name=f"draft_logprobs (same-dtype error {err_same:.3g})")
-    if out.lse is not None:
-        err_same = float((yard.lse.double() - oracle.lse).abs().max())
-        assert_close(out.lse, oracle.lse, atol=2 * err_same + ATOL, rtol=RTOL, name=f"lse (same-dtype error {err_same:.3g})")
-    logit_tol = (2 * float((yard.logits.double() - oracle.logits).abs().max()) + ATOL
-                 + RTOL * float(oracle.logits.abs().max()))
-    got = oracle.logits.gather(-1, out.argmax[:, None]).squeeze(-1)
-    assert_close(got, oracle.logits.max(-1).values, atol=logit_tol, rtol=0, name="oracle logit at argmax")
-    if exact_ids:
-        assert_ids_equal(out.argmax, oracle.argmax, name="argmax")
-    assert_ids_equal(out.argmax_in_draft, torch.isin(out.argmax, ids), name="argmax_in_draft")
+def _check_oracle(out, hidden, weight, norm_weight, ids, outputs=("draft", "argmax"), out_dtype=torch.float32):
+    """test_lm_head's oracle rule (`check_outputs`) for one call."""
+    check_outputs(out, lm_head_oracle(hidden, weight, norm_weight, draft_ids=ids),
+                  lm_head_oracle(hidden, weight, norm_weight, draft_ids=ids, same_dtype=True), outputs=outputs,
+                  atol=ATOL, rtol=RTOL, out_dtype=out_dtype, draft_ids=ids)
 
 
 @pytest.mark.parametrize("n,h,v,vd", [
@@ -102,7 +90,7 @@ def test_matches_oracle(n, h, v, vd, out_dtype, outputs):
     out, served = _call(hidden, weight, norm_weight, ids, outputs, out_dtype=out_dtype)
     assert served == here(), f"compiled walk served: {served}, available here: {_native.report()}"
     assert (out.lse is not None) == ("lse" in outputs)
-    _check_oracle(out, hidden, weight, norm_weight, ids, out_dtype)
+    _check_oracle(out, hidden, weight, norm_weight, ids, outputs, out_dtype)
 
 
 def test_first_and_last_ids_in_the_draft():
@@ -118,7 +106,7 @@ def test_large_logits_keep_the_logsumexp():
     hidden, weight, norm_weight, ids = _inputs(33, 64, 1500, 400, seed=9, logit_std=60.0)
     out, served = _call(hidden, weight, norm_weight, ids, ("draft", "lse"))
     assert served == here()
-    _check_oracle(out, hidden, weight, norm_weight, ids)
+    _check_oracle(out, hidden, weight, norm_weight, ids, ("draft", "lse"))
 
 
 def test_exact_ties_go_to_the_lowest_id():
