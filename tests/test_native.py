@@ -188,16 +188,32 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
 
 
 def test_both_passes_see_the_same_logits():
-    """Every id a draft id: pass 1's argmax (over its logits) is the argmax of pass 2's draft
-    log-probs (its own logits minus one constant per row), and they sum to one."""
+    """Pass 1 picks the argmax from its logits, pass 2 writes its own logits minus the lse: they
+    must be the same logits, bit for bit. Rows a and b hold the same products in another k order
+    (y repeats every 32 columns, b is a with its 32-column blocks rotated), so their exact
+    logits tie and their fp32 sums differ by rounding on many rows: wherever pass 2's log-probs
+    of a and b differ, pass 1 must have picked the larger. Then, every id a draft id on unit-scale
+    logits: the log-probs sum to one."""
     need_walk()
-    hidden, weight, _, _ = _inputs(70, 96, 1200, 0, seed=13)
-    ids = torch.arange(1200)
     from eagle_fast.kernels._torch_screen import norm_upper
 
-    logprobs, argmax, _ = _native.draft_argmax(hidden, weight, ids, norm_upper(hidden),
+    g = torch.Generator().manual_seed(3)
+    n, h, v, a, b = 300, 128, 1000, 500, 501
+    hidden = (torch.rand(n, 32, generator=g) + 0.1).repeat(1, h // 32).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * 0.01).bfloat16()
+    weight[a] = (torch.rand(h, generator=g) * 3).bfloat16()
+    weight[b] = torch.cat([weight[a][32:], weight[a][:32]])
+    logprobs, argmax, _ = _native.draft_argmax(hidden, weight, torch.arange(v), norm_upper(hidden),
                                                float(norm_upper(weight).max()), lse=True)
-    assert torch.equal(logprobs.argmax(1), argmax)
+    assert bool(((argmax == a) | (argmax == b)).all())
+    differ = logprobs[:, a] != logprobs[:, b]
+    assert int(differ.sum()) > 10, "the rotated rows never round apart: the test cannot tell the passes apart"
+    larger = torch.where(logprobs[:, a] > logprobs[:, b], a, b)
+    assert torch.equal(argmax[differ], larger[differ])
+    # logits of unit scale (the lse is fp32: its rounding is the tolerance)
+    hidden, weight, _, _ = _inputs(70, 96, 1200, 0, seed=13)
+    logprobs, _, _ = _native.draft_argmax(hidden, weight, torch.arange(1200), norm_upper(hidden),
+                                          float(norm_upper(weight).max()))
     assert_close(torch.logsumexp(logprobs.double(), 1), torch.zeros(70, dtype=torch.float64), atol=1e-6, rtol=0,
                  name="logsumexp of the draft log-probs")
 
