@@ -49,14 +49,17 @@ def _cpuinfo_field(key: str) -> str | None:
     return None
 
 
+@functools.cache
 def cpu_model() -> str:
     """The CPU's model name ("Intel(R) Xeon(R) Processor", "AMD EPYC 7B13", ...)."""
     return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    return set((_cpuinfo_field("flags") or "").split())
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none), read once: every
+    head call asks (through `bf16_gemm_available`), and the file is re-read on each open."""
+    return frozenset((_cpuinfo_field("flags") or "").split())
 
 
 def hardware_isa() -> str:
