@@ -224,13 +224,6 @@ class ShardWriter(threading.Thread):
                 sink.abort()
 
 
-def compute_batch(runner, samples: list[SamplePlan], layout: Layout,
-                  draft_ids: torch.Tensor | None, k: int) -> list[dict]:
-    """Canonical per-sample results for one batch: one engine call, then `supervise`."""
-    caps = runner.capture([s.input_ids for s in samples])
-    return supervise_batch(runner, samples, caps, layout, draft_ids, k)
-
-
 def supervise_batch(runner, samples: list[SamplePlan], caps: list, layout: Layout,
                     draft_ids: torch.Tensor | None, k: int) -> list[dict]:
     """Per-sample results for one batch from its captures (`runner.capture`'s, already checked
