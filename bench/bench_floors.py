@@ -2,7 +2,8 @@
 
 What it does
     At the floor shapes (`shapes.FLOOR_SHAPES`: N=8192 H=256 and N=2048 H=1024, V=151,936, a
-    32k draft), times side by side, interleaved (`_harness.SideBySide`):
+    32k draft; with --real also Qwen3-8B's head, N=2048 H=4096, `shapes.FLOOR_REAL_SHAPES`),
+    times side by side, interleaved (`_harness.SideBySide`):
       gemm-bf16out   `torch.mm` on bf16 operands, bf16 output (oneDNN): the cheapest GEMM
                      PyTorch offers where the CPU has bf16 math (AVX512-BF16/AMX)
       gemm-fp32out   MKL's bf16 x bf16 -> fp32 GEMM (`_cpu.gemm_bf16_f32`, the exact head's)
@@ -56,6 +57,8 @@ from eagle_fast import tiny
 
 NAME = "floors"
 OPTIONS = [H.option("--rounds", type=int, default=3, help="timed interleaved rounds per shape"),
+           H.option("--real", action="store_true",
+                    help="also a real target's head (shapes.FLOOR_REAL_SHAPES: Qwen3-8B, N=2048 H=4096)"),
            H.option("--threads", type=int, default=None, help="torch threads (default: torch's)")]
 GEMMS = ("gemm-bf16out", "gemm-fp32out", "gemm-fp32")
 # The head's goal against the floor, by ISA (AVX2: no slower than the exact walk it replaces).
@@ -176,7 +179,8 @@ def trained_tiny_counts() -> dict:
 def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)  # this script owns its process
-    cases = [measure_shape(s, args.rounds) for s in shapes.FLOOR_SHAPES]
+    cases = [measure_shape(s, args.rounds)
+             for s in shapes.FLOOR_SHAPES + (shapes.FLOOR_REAL_SHAPES if args.real else [])]
     for c in cases:
         print(f"N={c['N']} H={c['H']}: " + ", ".join(
             f"{n} {H.fmt_s(s)} ({c['vs_floor'][n]:.2f}x)" for n, s in c["median_s"].items())

@@ -119,6 +119,9 @@ FLOOR_SHAPES = [
               hidden=256, vocab=151_936, n_tokens=8192),
     MODELS["qwen3-0.6b"].with_tokens(2048),
 ]
+# A real target's head at the floor's question (`bench_floors.py --real`, not in `make bench`:
+# minutes on 2 cores): Qwen3-8B, H=4096 V=151,936, one 2,048-token call.
+FLOOR_REAL_SHAPES = [MODELS["qwen3-8b"].with_tokens(2048)]
 FLOOR_MODES = ("draft32k", "lse+argmax")
 FLOOR_GOALS = {("tiny-qwen3-h256", 8192): 1.3, ("qwen3-0.6b", 2048): 1.1}
 # Where the floor is the bf16-output GEMM (AVX512-BF16/AMX; `_floor.floor_kind`), one goal per
