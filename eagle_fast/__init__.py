@@ -21,6 +21,7 @@ _LAZY = {
     "HFTargetRunner": "eagle_fast.runners.hf",
     "VLLMTargetRunner": "eagle_fast.runners.vllm",
     "TargetHead": "eagle_fast.head",
+    "DraftDataset": "eagle_fast.store.dataset",
     "Eagle3Dataset": "eagle_fast.store.dataset",
     "ExtractConfig": "eagle_fast.pipeline.plan",
     "extract": "eagle_fast.pipeline.plan",
@@ -30,6 +31,7 @@ _LAZY = {
 
 # The names of _LAZY plus __version__ (tests/test_packaging.py checks they agree).
 __all__ = [
+    "DraftDataset",
     "Eagle3Dataset",
     "ExtractConfig",
     "HFTargetRunner",

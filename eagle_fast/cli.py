@@ -41,6 +41,7 @@ from eagle_fast.cli_args import (
 )
 from eagle_fast.cli_loop import add_loop_parsers, cmd_accept, cmd_regenerate
 from eagle_fast.demo import run_demo
+from eagle_fast.draft_types import DEFAULT_DRAFT_LAYERS
 from eagle_fast.errors import UserError
 from eagle_fast.hub import resolve_model
 from eagle_fast.memory import return_freed_memory
@@ -58,7 +59,7 @@ from eagle_fast.runners.engine_settings import (
 )
 from eagle_fast.runners.factory import vllm_available
 from eagle_fast.serve.app import ServeConfig, TargetServer, keep_triton_out
-from eagle_fast.store.manifest import MANIFEST_NAME, read_manifest
+from eagle_fast.store.manifest import MANIFEST_NAME, read_manifest, record_dirs
 from eagle_fast.vocab import build_vocab
 
 EXAMPLES = """\
@@ -92,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
 
     p = sub.add_parser("extract", usage="%(prog)s --model M --data SRC --out DIR [options]", help="extract a dataset (resumable)",
-                       description="Run the target over a dataset and write EAGLE-3 supervision. Details: docs/.")
+                       description="Run the target over a dataset and write draft-training data (EAGLE-3 and the "
+                                   "other draft types, from one capture). Layer ids count decoder-layer outputs: "
+                                   "id i is HF hidden_states[i+1], vLLM's and speculators' id i+1. Details: docs/.")
     add_verbose(p, default=argparse.SUPPRESS)
     inp, engine, sup, out = add_groups(p, INPUT, ENGINE, SUPERVISION, OUTPUT)
     add_model(inp)
@@ -107,8 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="skip checking the captures against the engine's log-probs")
     add_vllm_args(engine, p)
     add_ray(engine)
-    sup.add_argument("--aux-layers", default=None, metavar="I,J,K",
-                     help="three decoder layers to capture (default: low, mid, high)")
+    sup.add_argument("--draft-type", dest="draft_types", default="eagle3", metavar="TYPE[,TYPE]",
+                     help="eagle3 (default), peagle, dflash, dflash2, domino, dspark, mtp, xpress")
+    sup.add_argument("--aux-layers", default=None, action="append", metavar="[TYPE=]IDS",
+                     help="layers, e.g. 1,15,28 or dflash=1,9,17; id i: layer i's output, vLLM i+1")
+    sup.add_argument("--draft-layers", type=int, default=DEFAULT_DRAFT_LAYERS, metavar="K",
+                     help=f"DFlash/Domino/DSpark: the draft's layers K (default {DEFAULT_DRAFT_LAYERS})")
     sup.add_argument("--supervision", choices=("draft", "draft-topk", "topk", "lse", "logits", "hidden"),
                      default=None, help="what to store (default: draft with --draft-vocab, else topk)")
     sup.add_argument("--k", type=int, default=64, help="top-k width for topk and draft-topk (default 64)")
@@ -119,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stored dtype of log-prob and logit fields (default fp32)")
     sup.add_argument("--aux-dtype", choices=("auto", "fp8"), default="auto",
                      help="stored dtype of the hidden states: the target's (auto) or fp8")
-    sup.add_argument("--format", dest="layout", choices=("native", "nemo", "speculators", "specforge"),
-                     default="native", help="on-disk layout: native (default) or a trainer's own")
+    sup.add_argument("--format", dest="layout", default="native", metavar="FMT[,FMT]",
+                     help="native (default), nemo, speculators, specforge; several: a dir each")
     out.add_argument("--out", required=True, metavar="DIR", help="output directory; re-run the same command to resume")
     out.add_argument("--shard", default=None, metavar="I/N", help="this node's slice of N (then `eagle-fast merge`)")
     out.add_argument("--shard-size", type=int, default=256, metavar="N", help="samples per shard file (default 256)")
@@ -217,7 +224,7 @@ def cmd_extract(a: argparse.Namespace) -> int:
     data = data_spec(a)
     cfg = ExtractConfig(
         model=ref.path, model_source=ref.describe(), data=data, out=a.out, engine=a.engine, aux_layers=a.aux_layers,
-        supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, draft_vocab=a.draft_vocab, max_len=a.max_len,
+        draft_types=a.draft_types, draft_layers=a.draft_layers, supervision=a.supervision, k=a.k, keep_mass=a.keep_mass, draft_vocab=a.draft_vocab, max_len=a.max_len,
         overlong=a.overlong, batch_tokens=a.batch_tokens, dtype=a.dtype,
         out_dtype=a.out_dtype, aux_dtype=a.aux_dtype, shard=a.shard, shard_size=a.shard_size, layout=a.layout,
         vllm=vllm_settings(a), head_in_worker=a.head_in_worker, chat=chat_format(a),
@@ -246,10 +253,13 @@ def cmd_verify(a: argparse.Namespace) -> int:
     if a.samples < 1:
         raise UserError(f"--samples must be at least 1, got {a.samples}", "pass e.g. --samples 8")
     model = resolve_model(a.model, a.revision).path if a.model is not None else None
-    ok, reports, picks = verify(a.dir, model, samples=a.samples, seed=a.seed, tol_scale=a.tolerance_scale,
-                                accept_engine_numerics=a.accept_engine_numerics)
-    print(verify_report(ok, reports, picks, a.dir))
-    return 0 if ok else 1
+    every = True
+    for directory in record_dirs(a.dir):  # a dataset of several records: each one, as a dataset of its own
+        ok, reports, picks = verify(directory, model, samples=a.samples, seed=a.seed, tol_scale=a.tolerance_scale,
+                                    accept_engine_numerics=a.accept_engine_numerics)
+        print(verify_report(ok, reports, picks, directory))
+        every = every and ok
+    return 0 if every else 1
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:

@@ -101,7 +101,7 @@ USER_ERRORS = [
     (lambda m, d, t: extract_args(m, t / "missing.jsonl", t / "o"), "data file"),
     (lambda m, d, t: extract_args(m, _bad_line_file(t), t / "o"), "bad.jsonl:3: unknown role 'robot'"),
     (lambda m, d, t: extract_args(m, d, t / "o", "--shard", "3/2"), "need 0 <= I < N"),
-    (lambda m, d, t: extract_args(m, d, t / "o", "--aux-layers", "1,1,2"), "3 distinct"),
+    (lambda m, d, t: extract_args(m, d, t / "o", "--aux-layers", "1,1,2"), "with repeats"),
     (lambda m, d, t: extract_args(m, d, t / "o", "--aux-layers", "0,1,9"), "out of range"),
     (lambda m, d, t: extract_args(m, d, t / "o", "--supervision", "draft"), "needs a draft vocabulary"),
     (lambda m, d, t: extract_args(m, d, t / "o", "--format", "nemo", "--supervision", "lse"), "--format nemo"),

@@ -81,8 +81,11 @@ def _run(src: Path | None, commands: list[list[str]], cwd: Path, native: bool = 
 
 
 # Manifest entries the baseline predates: `settings.masks` records how chat masks were made (the
-# masks themselves are in the compared files, byte for byte).
-NEWER = ("settings.masks",)
+# masks themselves are in the compared files, byte for byte); `capture` and `draft_types` name the
+# captured layers and each draft type's in both id conventions, and the layout spec the record's
+# draft types and the capture's order (the same layers as `aux_layer_ids`, which is compared).
+NEWER = ("settings.masks", "layout_spec.types", "layout_spec.capture_ids")
+NEWER_TOP = ("capture", "draft_types")
 
 
 def _same_outputs(old: Path, new: Path, paths: tuple[str, ...] = ()) -> None:
@@ -100,6 +103,8 @@ def _same_outputs(old: Path, new: Path, paths: tuple[str, ...] = ()) -> None:
         for path in paths + NEWER:
             section, key = path.split(".")
             inner[section].pop(key, None)
+        for key in NEWER_TOP:
+            inner.pop(key, None)
         return m
 
     for name in sorted(p.name for p in Path(old).glob("manifest*.json")):

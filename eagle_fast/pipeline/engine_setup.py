@@ -101,7 +101,7 @@ def head_in_worker_settings(engine: str, layout: Layout, draft_ids: torch.Tensor
     kind = layout.spec.kind
     problem = (f"the {engine} engine runs no vLLM worker" if engine != "vllm" else
                "Ray workers build their runners without it" if on_ray else
-               f"--supervision {kind} stores the final hidden state itself" if layout.needs_final_hidden()
+               f"--supervision {kind} stores the final hidden state itself" if layout.final_states()
                else f"--supervision {kind} runs no head" if layout.head_outputs() is None else None)
     if problem:
         raise UserError(f"--head-in-worker cannot work here: {problem}",

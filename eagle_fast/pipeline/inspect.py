@@ -20,6 +20,7 @@ from eagle_fast.store.manifest import (
     load_json,
     part_slice,
     read_manifest,
+    record_dirs,
 )
 from eagle_fast.store.sizes import field_sizes, size_table
 
@@ -42,6 +43,8 @@ def inspect_text(directory: str) -> str:
     done = m["shards"]
     tokens = sum(r["tokens"] for r in done)
     nbytes = sum(f["bytes"] for r in done for f in r["files"])
+    if m["layout"] == "multi":
+        return _multi_text(root, m, tokens, nbytes)
     sup = m["supervision"]
     lines = [
         f"dataset     {root}",
@@ -86,6 +89,23 @@ def inspect_text(directory: str) -> str:
     return "\n".join(lines)
 
 
+def _multi_text(root: Path, m: dict, tokens: int, nbytes: int) -> str:
+    """A dataset of several records (one capture): the capture, then each record as a dataset of its own."""
+    cap = m["capture"]
+    lines = [f"dataset     {root}: {len(m['parts'])} records from one capture",
+             f"capture     layers {cap['layer_ids']} (vLLM ids {cap['vllm_layer_ids']}) and {cap['final']}",
+             f"samples     {m['num_samples']:,} ({m['num_tokens']:,} tokens), {len(m['shards'])}/{m['num_shards']} shards "
+             + ("complete" if m.get("complete") else "[INCOMPLETE: re-run the extract command to resume]"),
+             f"on disk     {fmt_bytes(nbytes)}, {nbytes / max(tokens, 1):,.0f} bytes/token in all"]
+    for rec in m["draft_types"]:
+        types = ", ".join(f"{t['draft_type']} {t['layer_ids']}" + (f" + final {t['final']}-norm" if t["final"] != "none"
+                                                                  else "") for t in rec["draft_types"])
+        lines.append(f"record      {rec['dir']}/ ({rec['format']}): {types}")
+    for part in m["parts"]:
+        lines += ["", inspect_text(str(root / part["dir"]))]
+    return "\n".join(lines)
+
+
 def engine_check_text(check: dict) -> str:
     """One line for a run's engine check (`pipeline.engine_setup.engine_check`'s figures)."""
     if "skipped" in check:
@@ -122,6 +142,7 @@ def show_mask_text(target: str, index: int, model: str | None = None, chat: Chat
         if chat is not None and chat != ChatFormat():
             raise UserError("--chat-template and --chat-template-kwargs apply to a data file, not to a "
                             "dataset (its masks are stored)", "drop them, or pass the data file")
+        path = Path(record_dirs(path)[0])  # several records: the first's (their masks are the same)
         m = read_manifest(path)
         ds = Eagle3Dataset(path, allow_incomplete=True)
         if not 0 <= index < len(ds):

@@ -14,14 +14,14 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle_fast.errors import UserError
-from eagle_fast.files import atomic_write_json, fsync_dir, sha256_file, temp_path_for
+from eagle_fast.files import fsync_dir, sha256_file, temp_path_for
 from eagle_fast.pipeline.config import fmt_bytes
-from eagle_fast.store import spec_from_manifest
+from eagle_fast.pipeline.prepare import write_manifests
+from eagle_fast.store import make_layout, spec_from_manifest
+from eagle_fast.store.layouts import DRAFT_VOCAB, SidecarContext
 from eagle_fast.store.manifest import (
     MANIFEST_NAME,
     diff_settings,
@@ -31,8 +31,6 @@ from eagle_fast.store.manifest import (
     part_slice,
     read_manifest,
 )
-from eagle_fast.store.nemo import nemo_manifest_fields
-from eagle_fast.store.speculators import write_speculators_arrow
 
 # ------------------------------------------------------------------------------ merge
 
@@ -108,35 +106,27 @@ def merge(out: str, sources: list[str] | None = None) -> dict:
     merged["extra_files"] = [extra[k] for k in sorted(extra)]
     merged["complete"] = True
     merged["runs"] = [r for _, (m, _) in sorted(parts.items()) for r in m.get("runs", [])]
-    spec = spec_from_manifest(merged)
-    if merged["layout"] == "nemo":
-        selected = None
-        if merged["supervision"]["draft_vocab_size"]:
-
-            selected = load_file(str(root / "draft_vocab.safetensors"))["selected_token_ids"].tolist()
-        body = nemo_manifest_fields(spec, model_id=merged["model"]["id"], data_path=merged["data"]["path"],
-                                    num_samples=merged["num_samples"], shard_size=merged["shard_size"],
-                                    aux_layer_ids=merged["aux_layer_ids"], draft_ids=selected)
-        body["eagle_fast"] = merged
-        atomic_write_json(root / MANIFEST_NAME, body)
-    else:
-        atomic_write_json(root / MANIFEST_NAME, merged)
+    layout = make_layout(spec_from_manifest(merged))
+    write_manifests(root, merged, layout, _sidecar_context(root, merged), None)
     for _, _, path in list_part_manifests(root):
         path.unlink()
     fsync_dir(root)
-    if merged["layout"] == "speculators":
-        _speculators_arrow_from_files(root, merged)
+    layout.finalize(root, merged)
     return merged
 
 
-def _speculators_arrow_from_files(root: Path, m: dict) -> None:
-    pairs = []
-    for rec in m["shards"]:
-        for f in rec["files"]:
-            with safe_open(str(root / f["path"]), framework="pt") as h:  # ids and mask only
-                pairs.append((h.get_tensor("token_ids").tolist(),
-                              h.get_tensor("loss_mask").to(torch.int64).tolist()))
-    write_speculators_arrow(root, pairs)
+def _sidecar_context(root: Path, m: dict) -> SidecarContext:
+    """What the merged directory's manifests are made from (its sidecar files are the parts')."""
+    selected = None
+    if m["supervision"]["draft_vocab_size"]:
+        selected = load_file(str(root / _vocab_path(m)))["selected_token_ids"]
+    return SidecarContext(draft_ids=selected, d2t=None, t2d=None, vocab_size=m["model"]["vocab_size"],
+                          model_dir=m["model"]["id"], model_id=m["model"]["id"])
+
+
+def _vocab_path(m: dict) -> str:
+    """Where the draft vocabulary (ours) lies: beside the shards, or in the first record's directory."""
+    return next(f["path"] for f in m["extra_files"] if f["path"].rsplit("/", 1)[-1] == DRAFT_VOCAB)
 
 
 def _bring_all(items: list[tuple[Path, Path, dict]]) -> None:

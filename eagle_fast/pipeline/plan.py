@@ -13,6 +13,7 @@ run's); for a run (not `--dry-run`) also the vLLM settings, `--head-in-worker` a
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 import time
@@ -24,6 +25,19 @@ from typing import Any
 from eagle_fast import __version__
 from eagle_fast.chat import ChatFormat
 from eagle_fast.checkpoint import pad_token_id, special_token_ids
+from eagle_fast.draft_types import (
+    DEFAULT_DRAFT_LAYERS,
+    DRAFT_TYPES,
+    LAYER_CONVENTION,
+    Record,
+    capture_layers,
+    parse_aux_overrides,
+    parse_names,
+    reader_of,
+    resolve_records,
+    skipped_pairs,
+    vllm_ids,
+)
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
 from eagle_fast.inputs import InputPlan, LazyTokenizer, ShardPlan, plan_inputs, plan_shards
@@ -53,7 +67,10 @@ from eagle_fast.store.manifest import (
     manifest_name,
     part_slice,
 )
+from eagle_fast.store.multi import MultiLayout
 from eagle_fast.vocab import load_draft_vocab
+
+logger = logging.getLogger(__name__)
 
 # Formats whose trainer reads the draft vocabulary from the dataset directory, so --draft-vocab
 # applies to them whatever they store (nemo: selected_token_ids; speculators: d2t/t2d .npy;
@@ -69,7 +86,9 @@ class ExtractConfig:
     data: str | DataSpec  # one file (as given), or the sources and their draw (`mixing`)
     out: str
     engine: str = "auto"
-    aux_layers: str | None = None
+    aux_layers: str | list[str] | None = None  # "IDS" for every draft type, or "TYPE=IDS" items (repeated flag)
+    draft_types: str | tuple[str, ...] = "eagle3"  # one or more of draft_types.DRAFT_TYPES
+    draft_layers: int = DEFAULT_DRAFT_LAYERS  # the DFlash family's and DSpark's rules: the draft's layer count
     supervision: str | None = None
     k: int = 64
     keep_mass: float | None = None  # draft-topk: the fewest ids per token holding this mass, at most k
@@ -82,7 +101,7 @@ class ExtractConfig:
     aux_dtype: str = "auto"   # stored hidden states: auto (the target dtype) | fp8 (store/fp8.py)
     shard: str | None = None
     shard_size: int = 256
-    layout: str = "native"
+    layout: str | tuple[str, ...] = "native"  # --format: one or more of native, nemo, speculators, specforge
     queue_batches: int = 2
     progress_tty: bool | None = None
     head_in_worker: bool = False  # vllm-cpu: the head runs in the engine's worker (engine_setup.py)
@@ -118,31 +137,39 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
     """Check every setting and resolve them against the model, the inputs and `--out`
     (`dry_run`: a plan only; the weights need not be there yet, and what only a run needs is
     not checked; `on_ray`: the pending shards go to Ray actors)."""
-    _check_settings(cfg)
+    formats, types = _check_settings(cfg)
     part = parse_shard(cfg.shard)
-    ckpt = resolve_checkpoint(cfg.model, dtype=cfg.dtype, aux_layers=cfg.aux_layers, max_len=cfg.max_len,
+    overrides = parse_aux_overrides(cfg.aux_layers)
+    found: list[tuple[Record, ...]] = []
+
+    def capture(num_layers: int) -> tuple[int, ...]:  # the records need the model's layer count
+        found.append(resolve_records(formats, types, num_layers, overrides, cfg.draft_layers))
+        return capture_layers(found[-1])
+
+    ckpt = resolve_checkpoint(cfg.model, dtype=cfg.dtype, aux_layers=capture, max_len=cfg.max_len,
                               require_weights=not dry_run)
-    if cfg.layout in ("speculators", "specforge"):  # both trainers' files hold the aux layers in ascending order
-        ckpt = replace(ckpt, aux_layer_ids=tuple(sorted(ckpt.aux_layer_ids)))
-    info = ckpt.info
+    records, info = found[-1], ckpt.info
+    for note in skipped_pairs(formats, types):
+        logger.info(note)
     draft = load_draft_vocab(cfg.draft_vocab, info.vocab_size) if cfg.draft_vocab else None
-    kind = resolve_kind(cfg.supervision, cfg.layout, draft is not None)
-    validate_layout_kind(cfg.layout, kind)
-    if kind in ("draft", "draft-topk") and draft is None and cfg.layout == "native":
+    kinds = record_kinds(cfg.supervision, records, draft is not None)
+    kind = kinds[0]
+    head_formats = [r.fmt for r, k in zip(records, kinds) if k != "hidden"]
+    if ("draft" in kinds or "draft-topk" in kinds) and draft is None and "native" in head_formats:
         raise UserError(f"--supervision {kind} needs a draft vocabulary",
                         "create one with `eagle-fast vocab --data FILE --model PATH --size 32000 --out "
                         "vocab.pt` and pass --draft-vocab vocab.pt")
-    if kind == "topk" and not 1 <= cfg.k <= (draft.size if (draft is not None and cfg.layout == "nemo")
-                                             else info.vocab_size):
+    if "topk" in kinds and not 1 <= cfg.k <= (draft.size if (draft is not None and "nemo" in head_formats)
+                                              else info.vocab_size):
         raise UserError(f"--k {cfg.k} is out of range for this vocabulary", "pass 1 <= k <= vocab size")
-    if kind == "draft-topk" and draft is not None and not 1 <= cfg.k <= draft.size:
+    if "draft-topk" in kinds and draft is not None and not 1 <= cfg.k <= draft.size:
         raise UserError(f"--k {cfg.k} is out of range for the draft vocabulary of {draft.size} ids "
                         f"({cfg.draft_vocab})", f"pass 1 <= k <= {draft.size}")
-    if cfg.keep_mass is not None and (kind != "draft-topk" or cfg.layout != "native"):
+    if cfg.keep_mass is not None and "draft-topk" not in [k for r, k in zip(records, kinds) if r.fmt == "native"]:
         raise UserError(f"--keep-mass applies to --supervision draft-topk in the native format, not "
-                        f"--supervision {kind} (--format {cfg.layout})",
+                        f"--supervision {kind} (--format {','.join(formats)})",
                         "add --supervision draft-topk --draft-vocab FILE, or drop --keep-mass")
-    if draft is not None and not (kind in ("draft", "draft-topk") or cfg.layout in TRAINER_VOCAB_LAYOUTS):
+    if draft is not None and not ({"draft", "draft-topk"} & set(kinds) or set(formats) & set(TRAINER_VOCAB_LAYOUTS)):
         raise UserError(f"--draft-vocab only applies to --supervision draft / draft-topk (or --format "
                         f"nemo, speculators, specforge), not {kind}",
                         "drop --draft-vocab, or use --supervision draft")
@@ -157,24 +184,26 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
                         f"and this model has {info.max_positions}", f"pass --max-len {info.max_positions - 1}")
     shards = plan_shards(inputs.samples, cfg.shard_size)
     pad_id = pad_token_id(special_token_ids(info.config_token_ids, tok))
-    spec = LayoutSpec(
-        layout=cfg.layout, kind=kind, k=cfg.k if kind in ("topk", "draft-topk") else 0, hidden_size=info.hidden_size,
-        num_aux=3, vocab_size=info.vocab_size,
-        draft_size=draft.size if draft is not None else info.vocab_size,
-        dtype=target.dtype, out_dtype=SHORT_NAMES[cfg.out_dtype], max_len=target.max_len, pad_token_id=int(pad_id),
-        aux_dtype=cfg.aux_dtype, keep_mass=cfg.keep_mass or 0.0,
-    )
+    common = {"hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
+              "draft_size": draft.size if draft is not None else info.vocab_size, "dtype": target.dtype,
+              "out_dtype": SHORT_NAMES[cfg.out_dtype], "max_len": target.max_len, "pad_token_id": int(pad_id),
+              "aux_dtype": cfg.aux_dtype, "keep_mass": cfg.keep_mass or 0.0, "capture_ids": tuple(target.aux_layer_ids)}
+    specs = [(r.subdir, LayoutSpec(layout=r.fmt, kind=k, k=cfg.k if k in ("topk", "draft-topk") else 0,
+                                   num_aux=len(record_layers(r)), types=r.types, **common))
+             for r, k in zip(records, kinds)]
+    spec = specs[0][1] if len(specs) == 1 else replace(specs[0][1], layout="multi", parts=tuple(specs))
     layout = make_layout(spec)
     draft_ids = draft.ids if draft is not None else None
     settings = {
-        "layout": cfg.layout,
+        "layout": ",".join(formats),
         "model": dict(info.identity),
         "data_sha256": inputs.data_sha256,
         "engine": target.engine,
         "dtype": target.dtype_name,
-        "out_dtype": cfg.out_dtype if cfg.layout == "native" and kind != "hidden" else None,
+        "out_dtype": cfg.out_dtype if any(r.fmt == "native" and k != "hidden" for r, k in zip(records, kinds))
+        else None,
         "aux_layer_ids": list(target.aux_layer_ids),
-        "supervision": kind,
+        "supervision": kind if len(records) == 1 else ",".join(kinds),
         "k": spec.k,
         "draft_vocab_sha256": hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest() if draft_ids is not None
         else None,
@@ -182,6 +211,8 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
         "overlong": cfg.overlong,
         "shard_size": cfg.shard_size,
     }
+    if not plain_eagle3(records):  # absent for EAGLE-3 alone, so those manifests stay as they always were
+        settings["records"] = [describe_record(r) for r in records]
     if cfg.aux_dtype != "auto":  # absent for auto, so those manifests stay as they always were
         settings["aux_dtype"] = cfg.aux_dtype
     if cfg.keep_mass is not None:  # likewise absent for a fixed k
@@ -192,7 +223,7 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
     if quantization:  # another target's outputs: never mixed on resume; absent when unquantized
         settings["quantization"] = quantization
     root = Path(cfg.out)
-    manifest = _initial_manifest(target, data, inputs, shards, part, layout, settings, draft_ids)
+    manifest = _initial_manifest(target, data, inputs, shards, part, layout, settings, draft_ids, records)
     existing = _existing_manifest(root, part, settings, cfg.shard)
     done: dict[int, dict] = {}
     if existing is not None:
@@ -210,6 +241,10 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
     if not dry_run:  # what only a run needs: the engine's settings, the head's place, the space
         check_vllm_settings(target.vllm, target.requested, target.engine, longest, cfg.batch_tokens)
         if cfg.head_in_worker:
+            if len(records) > 1:
+                raise UserError(f"--head-in-worker cannot work here: this run writes {len(records)} records "
+                                f"({', '.join(r.subdir for r in records)}), whose head fields differ",
+                                "drop --head-in-worker, or extract one record at a time")
             worker = head_in_worker_settings(target.engine, layout, draft_ids, on_ray and bool(pending))
     plan = ExtractPlan(target=target, layout=layout, draft_ids=draft_ids, data=data, inputs=inputs,
                        shards=tuple(shards), part=part, pending=pending, root=root, manifest=manifest,
@@ -220,11 +255,13 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
     return plan
 
 
-def _check_settings(cfg: ExtractConfig) -> None:
-    """The settings that need no model: their values alone (--dtype: `resolve_checkpoint`)."""
-    if cfg.layout not in LAYOUTS:
-        raise UserError(f"--format {cfg.layout!r} is not one of {', '.join(LAYOUTS)}", "pick one of them")
-    check_aux_dtype(cfg.layout, cfg.aux_dtype)
+def _check_settings(cfg: ExtractConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The settings that need no model: their values alone (--dtype: `resolve_checkpoint`); returns
+    the formats and the draft types asked for."""
+    formats = parse_names(cfg.layout, LAYOUTS, "--format")
+    types = parse_names(cfg.draft_types, DRAFT_TYPES, "--draft-type")
+    for fmt in formats:
+        check_aux_dtype(fmt, cfg.aux_dtype)
     if cfg.keep_mass is not None and not (math.isfinite(cfg.keep_mass) and 0 < cfg.keep_mass < 1):
         raise UserError(f"--keep-mass {cfg.keep_mass} is not a share of the draft mass strictly between 0 and 1",
                         "pass e.g. --keep-mass 0.99 (or leave it out to keep --k ids on every token)")
@@ -237,6 +274,7 @@ def _check_settings(cfg: ExtractConfig) -> None:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory", "pass a new or existing directory")
+    return formats, types
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -252,6 +290,59 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     return None if count == 1 else (index, count)
 
 
+def record_kinds(supervision: str | None, records, have_draft: bool) -> list[str]:
+    """Each record's --supervision kind. One record: as `resolve_kind` gives it (a kind its format
+    cannot store is refused). Several: --supervision goes to the records whose format stores head
+    fields (native, NeMo's EAGLE-3 cache); the others store hidden states as their trainers read them."""
+    if len(records) == 1:
+        r = records[0]
+        kind = "hidden" if r.fmt == "nemo" and r.names == ("dspark",) and supervision is None else \
+            resolve_kind(supervision, r.fmt, have_draft)
+        validate_layout_kind(r.fmt, kind, r.names)
+        return [kind]
+    kinds = []
+    for r in records:
+        takes = r.fmt == "native" or (r.fmt == "nemo" and r.names == ("eagle3",))
+        kind = resolve_kind(supervision if takes else None, r.fmt, have_draft)
+        if r.fmt == "nemo" and r.names == ("dspark",):
+            kind = "hidden"
+        validate_layout_kind(r.fmt, kind, r.names)
+        kinds.append(kind)
+    if supervision is not None and supervision not in kinds:
+        raise UserError(f"--supervision {supervision} applies to none of the records asked for "
+                        f"({', '.join(r.subdir for r in records)})",
+                        "drop --supervision, or add --format native")
+    return kinds
+
+
+def record_layers(r: Record) -> tuple[int, ...]:
+    """The layers of a record's main hidden-state field (the manifest's `aux_layer_ids`): the native
+    record's every type's (union, in capture order, sorted when it holds several types), speculators'
+    one set, SpecForge's EAGLE-3 keys' (else the DFlash family's), a NeMo cache's type's."""
+    if r.fmt == "native":
+        if len(r.types) == 1:
+            return r.types[0].layer_ids
+        return tuple(sorted({i for t in r.types for i in t.layer_ids}))
+    if r.fmt == "specforge" and "eagle3" in r.names:
+        return r.layers_of("eagle3")
+    return next((t.layer_ids for t in r.types if t.layer_ids), ())
+
+
+def plain_eagle3(records) -> bool:
+    """One record of EAGLE-3 alone: what every extraction before draft types wrote."""
+    return len(records) == 1 and records[0].names == ("eagle3",)
+
+
+def describe_record(r: Record) -> dict:
+    """A record as the manifest names it: where, which format, and each type's layers in both
+    conventions (eagle_fast's decoder-layer outputs; vLLM's capture ids and speculators' one higher),
+    the final state it reads and its trainer's reader."""
+    return {"dir": r.subdir, "format": r.fmt,
+            "draft_types": [{"draft_type": t.draft_type, "layer_ids": list(t.layer_ids),
+                             "vllm_layer_ids": vllm_ids(t.layer_ids), "final": t.final,
+                             "reader": reader_of(r.fmt, t.draft_type).reader} for t in r.types]}
+
+
 def resolve_kind(supervision: str | None, layout: str, have_draft: bool) -> str:
     kind = supervision
     if kind is None:
@@ -262,9 +353,9 @@ def resolve_kind(supervision: str | None, layout: str, have_draft: bool) -> str:
 
 
 def _initial_manifest(target, data: DataSpec, inputs: InputPlan, shards: list[ShardPlan], part, layout: Layout,
-                      settings: dict, draft_ids) -> dict:
+                      settings: dict, draft_ids, records: tuple[Record, ...]) -> dict:
     spec, info = layout.spec, target.info
-    return {
+    out = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "tool_version": __version__,
@@ -279,7 +370,11 @@ def _initial_manifest(target, data: DataSpec, inputs: InputPlan, shards: list[Sh
             **({"hub": target.source} if target.source else {}),
         },
         "data": _data_block(data, inputs),
-        "aux_layer_ids": list(target.aux_layer_ids),
+        "aux_layer_ids": list(target.aux_layer_ids) if len(records) > 1 else list(record_layers(records[0])),
+        "capture": {"layer_ids": list(target.aux_layer_ids), "vllm_layer_ids": vllm_ids(target.aux_layer_ids),
+                    "final": "the last layer's output before the final norm (vLLM id "
+                             f"{info.num_hidden_layers})", "convention": LAYER_CONVENTION},
+        "draft_types": [describe_record(r) for r in records],
         "supervision": {"kind": spec.kind, "k": spec.k, **({"keep_mass": spec.keep_mass} if spec.keep_mass else {}),
                         "draft_vocab_size": int(draft_ids.numel()) if draft_ids is not None else None,
                         "draft_vocab_file": "draft_vocab.safetensors" if draft_ids is not None else None},
@@ -298,6 +393,21 @@ def _initial_manifest(target, data: DataSpec, inputs: InputPlan, shards: list[Sh
         "extra_files": [],
         "runs": [],
     }
+    if isinstance(layout, MultiLayout):  # each record's own manifest is made from its entry (store/multi.py)
+        out["parts"] = [_part_entry(r, d, part_layout, draft_ids)
+                        for r, (d, part_layout) in zip(records, layout.parts)]
+    return out
+
+
+def _part_entry(r: Record, subdir: str, layout: Layout, draft_ids) -> dict:
+    """What a record's own manifest holds that differs from --out's."""
+    spec = layout.spec
+    return {"dir": subdir, "layout": spec.layout, "layout_spec": spec_to_json(spec), "fields": layout.fields(),
+            "dtypes": {name: f["dtype"] for name, f in layout.fields().items()},
+            "aux_layer_ids": list(record_layers(r)), "draft_types": [describe_record(replace(r, subdir=""))],
+            "supervision": {"kind": spec.kind, "k": spec.k, **({"keep_mass": spec.keep_mass} if spec.keep_mass else {}),
+                            "draft_vocab_size": int(draft_ids.numel()) if draft_ids is not None else None,
+                            "draft_vocab_file": "draft_vocab.safetensors" if draft_ids is not None else None}}
 
 
 def _data_block(spec: DataSpec, inputs: InputPlan) -> dict:

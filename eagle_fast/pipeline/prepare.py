@@ -10,20 +10,13 @@ the plan is resolved.
 from __future__ import annotations
 
 import copy
-
-import torch
+from pathlib import Path
 
 from eagle_fast.files import atomic_write_json, temp_path_for
 from eagle_fast.pipeline.config import ExtractPlan
-from eagle_fast.store.manifest import check_file_cheap, file_record, manifest_name, part_slice
-from eagle_fast.store.nemo import nemo_manifest_fields, write_target_embeddings
-from eagle_fast.store.safetensors import write_safetensors
-from eagle_fast.store.specforge import VOCAB_MAPPING, write_vocab_mapping
-from eagle_fast.store.speculators import (
-    vocab_file_names,
-    write_speculators_arrow,
-    write_speculators_vocab,
-)
+from eagle_fast.store.layouts import Layout, SidecarContext
+from eagle_fast.store.manifest import check_file_cheap, manifest_name, part_slice
+from eagle_fast.store.multi import MultiLayout
 from eagle_fast.vocab import DraftVocab
 
 
@@ -64,54 +57,52 @@ class DatasetDir:
         m["shards"] = sorted(m["shards"], key=lambda r: r["index"])
         owned = list(part_slice(len(p.shards), p.part))
         m["complete"] = len(m["shards"]) == len(owned)
-        name = manifest_name(p.part)
-        if p.layout.name == "nemo" and p.part is None:
-            body = nemo_manifest_fields(p.spec, model_id=p.target.info.model_id, data_path=m["data"]["path"],
-                                        num_samples=m["num_samples"], shard_size=m["shard_size"],
-                                        aux_layer_ids=list(p.target.aux_layer_ids),
-                                        draft_ids=None if p.draft_ids is None else p.draft_ids.tolist())
-            body["eagle_fast"] = m
-            atomic_write_json(p.root / name, body)
-        else:
-            atomic_write_json(p.root / name, m)
+        write_manifests(p.root, m, p.layout, sidecar_context(p), p.part)
 
     def _write_extra_files(self) -> None:
-        """Sidecar files written once per directory: the draft vocabulary (ours, and in the trainer's
-        own format for speculators and SpecForge), NeMo's embeddings."""
+        """Sidecar files written once per directory (`Layout.write_sidecars`): the draft vocabulary
+        (ours, and in the trainer's own format for speculators and SpecForge), NeMo's embeddings."""
         p = self.plan
-        have = {f["path"] for f in self.manifest.get("extra_files", [])
-                if check_file_cheap(p.root, f) is None}
-        extra = [f for f in self.manifest.get("extra_files", []) if f["path"] in have]
-        tag = _part_tag(p)
-        v = DraftVocab(p.draft_ids, p.target.info.vocab_size) if p.draft_ids is not None else None
-        if v is not None and "draft_vocab.safetensors" not in have:
-            path = write_safetensors(p.root / "draft_vocab.safetensors", {
-                "d2t": v.d2t(), "t2d": v.t2d(), "selected_token_ids": v.ids.clone(),
-                "target_vocab_size": torch.tensor([v.target_vocab_size], dtype=torch.int64)}, tag=tag)
-            extra.append(file_record(path, p.root))
-        if v is not None and p.layout.name == "speculators" and not set(vocab_file_names(v.size)) <= have:
-            extra = [f for f in extra if f["path"] not in vocab_file_names(v.size)]
-            extra += write_speculators_vocab(p.root, v.d2t(), v.t2d(), tag=tag)
-        if v is not None and p.layout.name == "specforge" and VOCAB_MAPPING not in have:
-            extra.append(write_vocab_mapping(p.root, v.d2t(), v.t2d(), tag=tag))
-        if p.layout.name == "nemo" and "target_embeddings.safetensors" not in have:
-            extra.append(write_target_embeddings(p.root, p.target.model, tag=tag))
-        self.manifest["extra_files"] = sorted(extra, key=lambda f: f["path"])
+        have = {f["path"]: f for f in self.manifest.get("extra_files", []) if check_file_cheap(p.root, f) is None}
+        for rec in p.layout.write_sidecars(p.root, set(have), sidecar_context(p)):
+            have[rec["path"]] = rec
+        self.manifest["extra_files"] = [have[k] for k in sorted(have)]
 
     def _finalize(self) -> None:
         """Layout extras once the whole dataset (not a part) is complete."""
         p = self.plan
-        if p.layout.name == "speculators" and p.part is None and self.manifest["complete"]:
-            write_speculators_arrow(p.root, [(s.input_ids, s.loss_mask) for s in p.inputs.samples])
+        if p.part is None and self.manifest["complete"]:
+            p.layout.finalize(p.root, self.manifest, lambda: [(s.input_ids, s.loss_mask) for s in p.inputs.samples])
+
+
+def sidecar_context(p: ExtractPlan) -> SidecarContext:
+    """What the plan's sidecar files are made from (`Layout.write_sidecars`)."""
+    v = DraftVocab(p.draft_ids, p.target.info.vocab_size) if p.draft_ids is not None else None
+    return SidecarContext(draft_ids=p.draft_ids, d2t=None if v is None else v.d2t(), t2d=None if v is None else v.t2d(),
+                          vocab_size=p.target.info.vocab_size, model_dir=p.target.model,
+                          model_id=p.target.info.model_id, tag=_part_tag(p))
+
+
+def write_manifests(root: Path, m: dict, layout: Layout, ctx: SidecarContext, part) -> None:
+    """`m` as this directory's manifest (a part's: manifest.part-I-of-N.json); for the whole dataset,
+    as its layout writes it (NeMo's, ours inside), and each record's own when it holds several."""
+    if part is not None:
+        atomic_write_json(root / manifest_name(part), m)
+        return
+    if isinstance(layout, MultiLayout):
+        layout.write_part_manifests(root, m, ctx, atomic_write_json)
+    atomic_write_json(root / manifest_name(None), layout.manifest_body(m, ctx))
 
 
 def clean_temps(p: ExtractPlan) -> None:
     """Remove this node's leftovers of a killed run (temp files of pending shards only)."""
     names = [manifest_name(p.part)]
+    if isinstance(p.layout, MultiLayout) and p.part is None:
+        names += [f"{d}/{manifest_name(None)}" for d, _ in p.layout.parts]
     for s in p.pending:
         names += p.layout.shard_paths(s)
     tmps = [temp_path_for(p.root / rel) for rel in names]
-    tmps += [temp_path_for(p.root / rel, _part_tag(p)) for rel in _extra_file_names(p)]
+    tmps += [temp_path_for(p.root / rel, _part_tag(p)) for rel in p.layout.sidecar_names(sidecar_context(p))]
     for tmp in tmps:
         if tmp.exists():
             tmp.unlink()
@@ -119,13 +110,3 @@ def clean_temps(p: ExtractPlan) -> None:
 
 def _part_tag(p: ExtractPlan) -> str:
     return f"part{p.part[0]}of{p.part[1]}" if p.part else ""
-
-
-def _extra_file_names(p: ExtractPlan) -> list[str]:
-    """The sidecar files this directory gets (`DatasetDir._write_extra_files`)."""
-    names = ["draft_vocab.safetensors", "target_embeddings.safetensors"]
-    if p.draft_ids is not None and p.layout.name == "speculators":
-        names += list(vocab_file_names(int(p.draft_ids.numel())))
-    if p.draft_ids is not None and p.layout.name == "specforge":
-        names.append(VOCAB_MAPPING)
-    return names

@@ -200,9 +200,7 @@ class ShardWriter(threading.Thread):
                    "lines": [s.line for s in shard.samples], "files": files}
             if any(s.source for s in shard.samples):  # each line's --data (manifest data.sources); absent: the first
                 rec["sources"] = [s.source for s in shard.samples]
-            if self.layout.name == "nemo":
-                # NeMo's shifted input_ids drop each sample's first token; keep it for verify.
-                rec["first_tokens"] = [s.input_ids[0] for s in shard.samples]
+            rec.update(self.layout.shard_extras(shard))
             self.on_commit(rec)
         if self.progress is not None:
             self.progress.update(len(items), tokens)
@@ -230,8 +228,10 @@ def supervise_batch(runner, samples: list[SamplePlan], caps: list, layout: Layou
     for non-finite values): `supervise` on the final hidden states, or, where the engine's worker
     ran the head (`head_in_worker_settings`), its fields as they came.
 
-    Each result holds input_ids int64 [T], loss_mask bool [T], aux_hidden_states [T, 3H],
-    `hidden` [T, H] when the layout stores it, and the head fields the layout asks for. The
+    Each result holds input_ids int64 [T], loss_mask bool [T], aux_hidden_states [T, n H] (the
+    captured layers, in capture order), the final state [T, H] where the layout reads it (`hidden`
+    before the final norm, `hidden_normed` after it; `Layout.final_states`), and the head fields
+    the layout asks for. The
     hidden states are the runner's tensors as they are (vLLM's: views of the capture file),
     so the store's write makes their one copy.
     """
@@ -248,8 +248,11 @@ def supervise_batch(runner, samples: list[SamplePlan], caps: list, layout: Layou
         r = {"input_ids": torch.tensor(s.input_ids, dtype=torch.int64),
              "loss_mask": torch.tensor(s.loss_mask, dtype=torch.bool),
              "aux_hidden_states": aux.detach().cpu()}
-        if layout.needs_final_hidden():
-            r["hidden"] = layout.final_hidden(runner.head, final.detach()).cpu()
+        states = layout.final_states()
+        if "pre" in states:
+            r["hidden"] = final.detach().cpu()
+        if "post" in states:
+            r["hidden_normed"] = runner.head.final_norm(final.detach()).cpu()
         results.append(r)
     outputs = layout.head_outputs()
     if outputs is None:

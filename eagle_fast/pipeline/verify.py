@@ -221,7 +221,7 @@ def recompute(engine: str, job: VerifyJob) -> list[FieldReport]:
     recomputed_all: dict[str, list[torch.Tensor]] = {}
     broken: dict[str, FieldReport] = {}
     try:
-        runner.set_aux_layers(m["aux_layer_ids"])
+        runner.set_aux_layers(list(spec.capture_ids) or m["aux_layer_ids"])  # a record of several: the capture
         plans = [ds.sample_plan(i) for i in picks]
         caps = runner.capture([p.input_ids for p in plans])
         results = supervise_batch(runner, plans, caps, layout, draft_ids, spec.k)

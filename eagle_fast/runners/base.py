@@ -57,7 +57,7 @@ class TargetRunner(Protocol):
     model: nn.Module
 
     def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
-        """Tell the underlying model which 3 decoder layers to capture."""
+        """Tell the underlying model which decoder layers to capture (EAGLE-3: three)."""
 
     def forward_eagle3(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor
@@ -70,26 +70,20 @@ class TargetRunner(Protocol):
 
 # -- shared helpers ----------------------------------------------------------------------------
 def validate_aux_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """NeMo's rules: exactly 3 distinct integer ids in `[0, num_layers)`. Returns them as a list."""
+    """Distinct integer ids in `[0, num_layers)` (NeMo's EAGLE-3 passes three; the other draft types
+    capture any number, MTP none). Returns them as a list."""
     try:
         ids = list(aux_layer_ids)
     except TypeError:
-        raise ValueError(
-            f"aux_layer_ids must be a sequence of 3 ints, got {aux_layer_ids!r}"
-        ) from None
-    if len(ids) != 3:
-        raise ValueError(
-            f"EAGLE-3 expects exactly 3 aux_layer_ids, got {len(ids)}: {ids}. "
-            "This must match the draft model's num_aux_hidden_states."
-        )
+        raise ValueError(f"aux_layer_ids must be a sequence of ints, got {aux_layer_ids!r}") from None
     try:
         if any(isinstance(i, bool) for i in ids):
             raise TypeError
         ids = [operator.index(i) for i in ids]
     except TypeError:
         raise ValueError(f"aux_layer_ids must be ints, got {ids}") from None
-    if len(set(ids)) != 3:
-        raise ValueError(f"EAGLE-3 aux_layer_ids must be distinct, got {ids}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"aux_layer_ids must be distinct, got {ids}")
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
         raise ValueError(

@@ -216,9 +216,10 @@ def split_capture(
     zero = scan.first_zero_row()
     _refuse_bad_rows(name, capture_ids, scan.first_nonfinite(), zero, int(scan.zero_rows.sum()) if zero else 0)
     T = len(seq)
-    first = aux_slots[0]
+    first = aux_slots[0] if aux_slots else 0
     if list(aux_slots) == list(range(first, first + len(aux_slots))):
-        aux = hs[:, first:first + len(aux_slots), :].reshape(T, -1)  # a view: [T, 3H], row stride n_ids*H
+        # a view: [T, n H], row stride n_ids * H (MTP alone: [T, 0])
+        aux = hs[:, first:first + len(aux_slots), :].reshape(T, len(aux_slots) * hidden_size)
     else:
         aux = hs[:, list(aux_slots), :].reshape(T, -1)
     return aux, hs[:, final_slot, :]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +28,7 @@ from eagle_fast.checkpoint import (
     text_config_dict,
     weight_files,
 )
+from eagle_fast.draft_types import eagle3_layers, parse_layer_list
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
 from eagle_fast.head import head_family_error
@@ -38,25 +40,14 @@ from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported, cpu_b
 logger = logging.getLogger(__name__)
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low / mid / high decoder layers (NeMo AutoModel's recipe when it fits)."""
-    nemo = [1, num_layers // 2 - 1, num_layers - 4]
-    if len(set(nemo)) == 3 and all(0 <= c < num_layers for c in nemo):
-        return nemo
-    if num_layers < 3:
-        raise UserError(f"the model has {num_layers} decoder layers; EAGLE-3 needs 3 distinct aux layers",
-                        "use a model with at least 3 layers")
-    return [0, num_layers // 2, num_layers - 1]
+default_aux_layers = eagle3_layers
 
 
 def parse_aux_layers(text: str | None, num_layers: int) -> list[int]:
+    """EAGLE-3's three layers, as `serve` takes them (NeMo's remote protocol trains EAGLE-3)."""
     if text is None:
         return default_aux_layers(num_layers)
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
-    except ValueError:
-        raise UserError(f"--aux-layers {text!r} is not a comma-separated list of integers",
-                        "pass e.g. --aux-layers 1,15,28") from None
+    ids = parse_layer_list(text)
     if len(ids) != 3 or len(set(ids)) != 3:
         raise UserError(f"--aux-layers needs 3 distinct decoder-layer indices, got {text!r}",
                         "pass e.g. --aux-layers 1,15,28")
@@ -254,10 +245,12 @@ class TargetPlan(Checkpoint):
     source: dict | None = None    # a Hub model's id, revision and commit (hub.ModelRef.describe)
 
 
-def resolve_checkpoint(model: str, *, dtype: str = "auto", aux_layers: str | None = None,
+def resolve_checkpoint(model: str, *, dtype: str = "auto", aux_layers: str | Callable | None = None,
                        max_len: int | None = None, require_weights: bool = True) -> Checkpoint:
     """--model, --dtype, --aux-layers and --max-len checked and resolved against the checkpoint's
-    config (`require_weights=False`: a plan made before the weights are there)."""
+    config (`require_weights=False`: a plan made before the weights are there). `aux_layers`: EAGLE-3's
+    three as given (None: its default), or a function of the layer count giving the layers to capture
+    (`extract`'s draft types)."""
     dtype_name = resolve_dtype_name(model, dtype)
     if dtype_name not in SHORT_NAMES:
         raise UserError(f"--dtype {dtype!r} is not one of auto, bf16, fp16, fp32", "pick one of them")
@@ -266,7 +259,8 @@ def resolve_checkpoint(model: str, *, dtype: str = "auto", aux_layers: str | Non
     if head is not None:
         raise UserError(head, "pass its head rules through the API (TargetHead overrides), or use a supported "
                               "family (README's families table)")
-    aux = parse_aux_layers(aux_layers, info.num_hidden_layers)
+    aux = aux_layers(info.num_hidden_layers) if callable(aux_layers) else parse_aux_layers(aux_layers,
+                                                                                             info.num_hidden_layers)
     return Checkpoint(model=model, info=info, dtype_name=dtype_name, dtype=SHORT_NAMES[dtype_name],
                       aux_layer_ids=tuple(aux), max_len=resolve_max_len(max_len, info.max_positions))
 

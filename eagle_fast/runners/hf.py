@@ -176,7 +176,7 @@ class HFTargetRunner(RunnerBase):
     def _run(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want_logits: bool
     ) -> tuple:
-        """One forward: (logits or None, aux [B, S, 3H], final pre-norm [B, S, H]) on the model device."""
+        """One forward: (logits or None, aux [B, S, n H], final pre-norm [B, S, H]) on the model device."""
         captured: dict[int, torch.Tensor] = {}
         wanted = set(self._aux_layer_ids) | {self.num_layers - 1}
 
@@ -206,9 +206,11 @@ class HFTargetRunner(RunnerBase):
             raise RuntimeError(
                 f"decoder layers {sorted(missing)} produced no output in the forward"
             )
-        aux = torch.cat([captured[i] for i in self._aux_layer_ids], dim=-1)
+        final = captured[self.num_layers - 1]
+        aux = torch.cat([captured[i] for i in self._aux_layer_ids], dim=-1) if self._aux_layer_ids \
+            else final.new_empty((*final.shape[:-1], 0))  # MTP alone: the final state only
         logits = (out.logits if hasattr(out, "logits") else out) if want_logits else None
-        return logits, aux, captured[self.num_layers - 1]
+        return logits, aux, final
 
     @torch.no_grad()
     def forward_eagle3(

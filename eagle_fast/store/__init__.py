@@ -10,32 +10,52 @@ spec for the manifest.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from eagle_fast.draft_types import TypeLayers
 from eagle_fast.dtypes import SHORT_NAMES, short_name
 from eagle_fast.store.layouts import Layout, LayoutSpec, NativeLayout
+from eagle_fast.store.multi import MultiLayout
 from eagle_fast.store.nemo import NemoLayout
 from eagle_fast.store.specforge import SpecForgeLayout
 from eagle_fast.store.speculators import SpeculatorsLayout
 
 
 def make_layout(spec: LayoutSpec) -> Layout:
-    """The layout object that writes and reads datasets of `spec.layout`."""
+    """The layout object that writes and reads datasets of `spec.layout` (and its draft types)."""
+    if spec.layout == "multi":
+        return MultiLayout(spec, [(d, make_layout(part)) for d, part in spec.parts])
+    if spec.layout == "nemo" and spec.draft_types == ("dspark",):
+        from eagle_fast.store.nemo_dspark import NemoDSparkLayout  # noqa: PLC0415 - NeMo's DSpark cache
+
+        return NemoDSparkLayout(spec)
     return {"native": NativeLayout, "nemo": NemoLayout, "speculators": SpeculatorsLayout,
             "specforge": SpecForgeLayout}[spec.layout](spec)
 
 
 def spec_from_manifest(m: dict) -> LayoutSpec:
     """The `LayoutSpec` a manifest records (the inverse of `spec_to_json`)."""
-    s = m["layout_spec"]
+    return spec_from_json(m["layout"], m["layout_spec"])
+
+
+def spec_from_json(layout: str, s: dict) -> LayoutSpec:
+    if layout == "multi":
+        parts = tuple((p["dir"], spec_from_json(p["layout"], p["layout_spec"])) for p in s["parts"])
+        return replace(parts[0][1], layout="multi", parts=parts)
     return LayoutSpec(
-        layout=m["layout"], kind=s["kind"], k=int(s["k"]), hidden_size=int(s["hidden_size"]),
+        layout=layout, kind=s["kind"], k=int(s["k"]), hidden_size=int(s["hidden_size"]),
         num_aux=int(s["num_aux"]), vocab_size=int(s["vocab_size"]), draft_size=int(s["draft_size"]),
         dtype=SHORT_NAMES[s["dtype"]], out_dtype=SHORT_NAMES[s["out_dtype"]],
         max_len=int(s["max_len"]), pad_token_id=int(s["pad_token_id"]), aux_dtype=s.get("aux_dtype", "auto"),
         keep_mass=float(s.get("keep_mass", 0.0)),
+        types=tuple(TypeLayers(t["draft_type"], tuple(t["layer_ids"]), t["final"]) for t in s.get("types", ())),
+        capture_ids=tuple(s.get("capture_ids", ())),
     )
 
 
 def spec_to_json(spec: LayoutSpec) -> dict:
+    if spec.layout == "multi":
+        return {"parts": [{"dir": d, "layout": p.layout, "layout_spec": spec_to_json(p)} for d, p in spec.parts]}
     out = {
         "kind": spec.kind, "k": spec.k, "hidden_size": spec.hidden_size, "num_aux": spec.num_aux,
         "vocab_size": spec.vocab_size, "draft_size": spec.draft_size,
@@ -46,4 +66,8 @@ def spec_to_json(spec: LayoutSpec) -> dict:
         out["aux_dtype"] = spec.aux_dtype
     if spec.keep_mass:  # absent for a fixed k, likewise
         out["keep_mass"] = spec.keep_mass
+    if spec.types:  # absent for EAGLE-3 as captured (every manifest before draft types)
+        out["types"] = [{"draft_type": t.draft_type, "layer_ids": list(t.layer_ids), "final": t.final}
+                        for t in spec.types]
+        out["capture_ids"] = list(spec.capture_ids)
     return out

@@ -1,19 +1,22 @@
-"""`Eagle3Dataset`: a torch Dataset over an extracted directory, read lazily from memory maps.
+"""`DraftDataset` (`Eagle3Dataset` before draft types): a torch Dataset over an extracted directory,
+read lazily from memory maps.
 
-    ds = Eagle3Dataset("out/")          # validates the manifest and every file (cheaply)
+    ds = DraftDataset("out/")           # validates the manifest and every file (cheaply)
     sample = ds[0]                      # dict of CPU tensors for one sample
-    ds = Eagle3Dataset("out/", aux_dtype=torch.float32)   # hidden states in fp32
-    loader = DataLoader(ds, batch_size=8, collate_fn=Eagle3Dataset.collate)
+    ds = DraftDataset("out/", aux_dtype=torch.float32)   # hidden states in fp32
+    ds = DraftDataset("out/", draft_type="dflash")       # one type of a native record of several
+    loader = DataLoader(ds, batch_size=8, collate_fn=DraftDataset.collate)
 
 Native layout samples hold `input_ids` int64 [T], `loss_mask` bool [T], `aux_hidden_states`
-[T, 3H] (target dtype) and the supervision fields named as in `HeadOutput` (`draft_logprobs`
+[T, n H] (target dtype; the manifest's `aux_layer_ids`, or with `draft_type` that type's layers;
+absent for MTP alone), `hidden` [T, H] (the pre-norm final state) where MTP is among the types, and the supervision fields named as in `HeadOutput` (`draft_logprobs`
 + `argmax_in_draft`, or the sparse `draft_topk_ids` (int64 indices into the draft vocabulary)
 + `draft_topk_logprobs` + `draft_topk_tail` + `argmax_in_draft`, or `topk_ids` +
 `topk_logprobs` + `topk_tail`, or `logits`; `argmax` always, `lse` with all but draft-topk; or
 `hidden`, the pre-norm final hidden state), row t being the target's output after tokens
 0..t. With --keep-mass the draft top-k is ragged: `draft_topk_lengths` int64 [T] (k_t) and
 1-d `draft_topk_ids` / `draft_topk_logprobs` (each token's k_t, token after token; see
-store/layouts.py). `target_p(i, tail)` (or `Eagle3Dataset(dir, target_p="spread")`, which adds it to every
+store/layouts.py). `target_p(i, tail)` (or `DraftDataset(dir, target_p="spread")`, which adds it to every
 sample) gives the dense draft distribution, rebuilt from the sparse fields where stored so. The nemo,
 speculators and specforge layouts yield their stored per-sample tensors
 as their own readers would (use NeMo's `CachedEagle3Dataset` for NeMo training).
@@ -41,6 +44,7 @@ from eagle_fast.errors import UserError
 from eagle_fast.inputs import SamplePlan
 from eagle_fast.store import make_layout, spec_from_manifest
 from eagle_fast.store.fp8 import dequantize_sample
+from eagle_fast.store.layouts import select_layers
 from eagle_fast.store.manifest import check_file_cheap, check_file_full, iter_files, read_manifest
 from eagle_fast.store.nemo import trainer_frame
 from eagle_fast.store.safetensors import open_safetensors as _safe_open
@@ -54,7 +58,7 @@ from eagle_fast.supervision import (
 
 def keep_mass_stats(root: Path, shards: list[dict], spec, handles: dict | None = None) -> tuple[float, int, int]:
     """(mean kept k, tokens that hit the cap, tokens) of the native --keep-mass `shards` (manifest
-    records) under `root`; see `Eagle3Dataset.keep_mass_stats`."""
+    records) under `root`; see `DraftDataset.keep_mass_stats`."""
     kept = capped = tokens = 0
     for rec in shards:
         h = _safe_open(Path(root) / rec["files"][0]["path"], handles)
@@ -68,11 +72,12 @@ def keep_mass_stats(root: Path, shards: list[dict], spec, handles: dict | None =
     return kept / max(tokens, 1), capped, tokens
 
 
-class Eagle3Dataset(Dataset):
-    """Samples of an eagle-fast dataset directory (see module doc)."""
+class DraftDataset(Dataset):
+    """Samples of an eagle-fast dataset directory (see module doc); `draft_type` picks one draft type
+    of a native record of several, whose layers `aux_hidden_states` then holds."""
 
     def __init__(self, directory: str | os.PathLike, verify: str = "cheap", allow_incomplete: bool = False,
-                 aux_dtype: torch.dtype | None = None, target_p: str | None = None):
+                 aux_dtype: torch.dtype | None = None, target_p: str | None = None, draft_type: str | None = None):
         if verify not in ("cheap", "full", "none"):
             raise ValueError(f"verify must be 'cheap', 'full' or 'none', got {verify!r}")
         if aux_dtype is not None and not (isinstance(aux_dtype, torch.dtype) and aux_dtype.is_floating_point):
@@ -83,6 +88,10 @@ class Eagle3Dataset(Dataset):
         self.target_p_mode = target_p
         self.root = Path(directory)
         self.manifest = m = read_manifest(self.root)
+        if m["layout"] == "multi":
+            dirs = [p["dir"] for p in m["parts"]]
+            raise UserError(f"{self.root} holds {len(dirs)} records, one per subdirectory ({', '.join(dirs)}), "
+                            "each a dataset of its own", f"open one of them, e.g. DraftDataset('{self.root / dirs[0]}')")
         if not m.get("complete") and not allow_incomplete:
             raise UserError(
                 f"{self.root} is incomplete ({len(m['shards'])}/{m['num_shards']} shards written)",
@@ -101,6 +110,14 @@ class Eagle3Dataset(Dataset):
                     )
         self.spec = spec_from_manifest(m)
         self.layout = make_layout(self.spec)
+        self.draft_type, self._layers = draft_type, None
+        if draft_type is not None:
+            if draft_type not in self.spec.draft_types:
+                raise UserError(f"{self.root} holds draft types {', '.join(self.spec.draft_types)}, not {draft_type}",
+                                f"pass draft_type= one of them, or extract with --draft-type {draft_type}")
+            if self.layout.name == "native" and self.spec.types:
+                stored = self.layout.stored_layers()
+                self._layers = (stored, next(t.layer_ids for t in self.spec.types if t.draft_type == draft_type))
         self.shards = sorted(m["shards"], key=lambda r: r["index"])
         self._starts: list[int] = []
         total = 0
@@ -146,6 +163,10 @@ class Eagle3Dataset(Dataset):
         sample = self.raw(index)
         if not (self.spec.aux_dtype == "auto" and self.aux_dtype is None):
             sample = dequantize_sample(sample, self.aux_dtype or self.spec.dtype)
+        if self._layers is not None and "aux_hidden_states" in sample:  # one type of several: its layers
+            stored, wanted = self._layers
+            sample["aux_hidden_states"] = select_layers(sample["aux_hidden_states"], stored, wanted,
+                                                        self.spec.hidden_size)
         if self.target_p_mode is not None:
             sample["target_p"] = self._target_p(sample, self.target_p_mode)
         return sample
@@ -190,7 +211,7 @@ class Eagle3Dataset(Dataset):
     def nemo_collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Right-pad `nemo_inputs` samples into `Eagle3TrainerModule.forward` kwargs (int64
         attention_mask, as NeMo's cache reader gives it); padded rows are zero and unsupervised."""
-        out = Eagle3Dataset.collate(batch)
+        out = DraftDataset.collate(batch)
         out["attention_mask"] = out["attention_mask"].to(torch.int64)
         return out
 
@@ -264,6 +285,8 @@ class Eagle3Dataset(Dataset):
         return out
 
     def __repr__(self) -> str:
-        return (f"Eagle3Dataset({str(self.root)!r}, layout={self.layout.name}, kind={self.spec.kind}, "
+        return (f"DraftDataset({str(self.root)!r}, layout={self.layout.name}, kind={self.spec.kind}, "
                 f"samples={self._len})")
 
+
+Eagle3Dataset = DraftDataset  # its name before draft types; every EAGLE-3 dataset reads as it did

@@ -36,10 +36,10 @@ from eagle_fast.errors import UserError
 from eagle_fast.inputs import SamplePlan, ShardPlan
 from eagle_fast.store.fp8 import FP8, SCALE_NAMES, quantize, stored_dtype
 from eagle_fast.store.manifest import file_record
-from eagle_fast.store.safetensors import SafetensorsWriter, open_safetensors
+from eagle_fast.store.safetensors import SafetensorsWriter, open_safetensors, write_safetensors
 from eagle_fast.supervision import keep_mass_lengths
 
-LAYOUTS = ("native", "nemo", "speculators", "specforge")
+LAYOUTS = ("native", "nemo", "speculators", "specforge")  # --format; "multi" is several of them (store/multi.py)
 KINDS = ("draft", "draft-topk", "topk", "lse", "logits", "hidden")
 
 
@@ -63,6 +63,39 @@ class LayoutSpec:
     pad_token_id: int = 0
     aux_dtype: str = "auto"   # stored hidden states: auto (= dtype) | fp8 (store/fp8.py)
     keep_mass: float = 0.0    # draft-topk: keep per token the fewest ids holding this mass (0: k ids)
+    types: tuple = ()         # draft_types.TypeLayers this record serves (empty: EAGLE-3, as captured)
+    capture_ids: tuple = ()   # the captured layers, in the order a result's aux_hidden_states holds them
+    parts: tuple = ()         # layout "multi": (subdirectory, LayoutSpec) per record (store/multi.py)
+
+    def union_layers(self) -> tuple[int, ...]:
+        """Every layer the record's types read, in capture order (empty `types`: the capture's own)."""
+        wanted = {i for t in self.types for i in t.layer_ids}
+        return tuple(i for i in self.capture_ids if i in wanted)
+
+    def final_states(self) -> set[str]:
+        """The final hidden states the record's types read: "pre" (as captured) and/or "post" (normed)."""
+        return {t.final for t in self.types} - {"none"}
+
+    @property
+    def draft_types(self) -> tuple[str, ...]:
+        return tuple(t.draft_type for t in self.types) or ("eagle3",)
+
+
+def select_layers(aux: torch.Tensor, capture_ids, layer_ids, hidden_size: int) -> torch.Tensor:
+    """`layer_ids`' states [T, n H] from a result's `aux` [T, C H] (`capture_ids`' order): `aux` itself
+    when they are the capture (or no capture order is known), a view when they lie consecutive in
+    it, else gathered."""
+    capture_ids, layer_ids = tuple(capture_ids), tuple(layer_ids)
+    if not capture_ids or layer_ids == capture_ids:
+        return aux
+    T = aux.shape[0]
+    slots = [capture_ids.index(i) for i in layer_ids]
+    per_layer = aux.reshape(T, len(capture_ids), hidden_size)
+    if not slots:
+        return aux.new_empty((T, 0))
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return per_layer[:, slots[0]: slots[0] + len(slots)].reshape(T, -1)
+    return per_layer[:, slots].reshape(T, -1)
 
 
 HEAD_FIELDS = {
@@ -82,9 +115,15 @@ HEAD_OUTPUTS = {"draft": ("draft", "lse"), "draft-topk": ("draft_topk",), "topk"
                 "logits": ("logits", "lse")}
 
 
-def validate_layout_kind(layout: str, kind: str) -> None:
-    """Raise a UserError for a supervision kind the layout cannot store."""
+def validate_layout_kind(layout: str, kind: str, draft_types: tuple[str, ...] = ("eagle3",)) -> None:
+    """Raise a UserError for a supervision kind the layout cannot store (for the draft types it holds)."""
 
+    if layout == "nemo" and draft_types == ("dspark",):
+        if kind != "hidden":
+            raise UserError(f"NeMo AutoModel's DSpark cache stores hidden states only (its trainer applies the "
+                            f"LM head to target_last_hidden_states), not --supervision {kind}",
+                            "drop --supervision for --format nemo --draft-type dspark, or use --format native")
+        return
     if layout == "nemo" and kind not in ("draft", "topk"):
         raise UserError(
             f"--format nemo stores NeMo's draft-vocab target_probs, not --supervision {kind}",
@@ -118,13 +157,11 @@ class Layout:
     def head_out_dtype(self) -> torch.dtype:
         return self.spec.out_dtype
 
-    def needs_final_hidden(self) -> bool:
-        return False
-
-    def final_hidden(self, head, final: torch.Tensor) -> torch.Tensor:
-        """The final hidden state [T, H] this layout stores, from the pre-norm one the engine
-        captured (`head`: the target's `TargetHead`). Default: as captured, before the norm."""
-        return final
+    def final_states(self) -> set[str]:
+        """The final hidden states `encode` reads: "pre" (result["hidden"], as the engine captured
+        it, before the final norm) and/or "post" (result["hidden_normed"], after it, rounded as the
+        served model rounds it)."""
+        return set()
 
     # per sample
     def fields(self) -> dict[str, dict]:
@@ -143,6 +180,51 @@ class Layout:
     def read_sample(self, root: Path, shard_record: dict, local_index: int,
                     handles: dict | None = None) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    # per shard and per directory
+    def shard_extras(self, shard: ShardPlan) -> dict:
+        """What a committed shard's manifest record holds beyond its files (NeMo: first tokens)."""
+        return {}
+
+    def sidecar_names(self, ctx: SidecarContext) -> list[str]:
+        """The files `write_sidecars` writes (a killed run's temps of them are removed)."""
+        return [DRAFT_VOCAB] if ctx.draft_ids is not None else []
+
+    def write_sidecars(self, root: Path, have: set[str], ctx: SidecarContext) -> list[dict]:
+        """The files written once per directory beside the shards, those in `have` aside (already
+        there and intact); their manifest records. Every layout: the draft vocabulary, ours."""
+        if ctx.draft_ids is None or DRAFT_VOCAB in have:
+            return []
+        path = write_safetensors(root / DRAFT_VOCAB, {
+            "d2t": ctx.d2t, "t2d": ctx.t2d, "selected_token_ids": ctx.draft_ids.clone(),
+            "target_vocab_size": torch.tensor([ctx.vocab_size], dtype=torch.int64)}, tag=ctx.tag)
+        return [file_record(path, root)]
+
+    def manifest_body(self, m: dict, ctx: SidecarContext) -> dict:
+        """What the directory's manifest.json holds for our manifest `m` (NeMo: its own, ours inside)."""
+        return m
+
+    def finalize(self, root: Path, m: dict, pairs=None) -> None:
+        """Once the whole dataset (`m` complete, not a part) is on disk: files its trainer needs that
+        only the whole can make (speculators: the Arrow table). `pairs()`: every sample's (input ids,
+        loss mask), when the caller has them; else they are read back from the files."""
+
+
+DRAFT_VOCAB = "draft_vocab.safetensors"
+
+
+@dataclass(frozen=True)
+class SidecarContext:
+    """What the files beside the shards are made from: the draft vocabulary (its target ids, and
+    d2t / t2d as `vocab.DraftVocab` gives them), the target, and the part's temp-file tag."""
+
+    draft_ids: torch.Tensor | None
+    d2t: torch.Tensor | None
+    t2d: torch.Tensor | None
+    vocab_size: int
+    model_dir: str
+    model_id: str
+    tag: str = ""
 
 
 class ShardSink:
@@ -217,8 +299,12 @@ class NativeLayout(Layout):
     def head_fields(self):
         return HEAD_FIELDS[self.spec.kind]
 
-    def needs_final_hidden(self) -> bool:
-        return self.spec.kind == "hidden"
+    def final_states(self) -> set[str]:
+        return {"pre"} if self.spec.kind == "hidden" or "pre" in self.spec.final_states() else set()
+
+    def stored_layers(self) -> tuple[int, ...]:
+        """The layers `aux_hidden_states` holds, in order: every type's, in capture order."""
+        return self.spec.union_layers()
 
     def token_fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Field -> (disk dtype, trailing shape) for per-token fields."""
@@ -226,14 +312,16 @@ class NativeLayout(Layout):
         out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
             "input_ids": (torch.int32, ()),
             "loss_mask": (torch.bool, ()),
-            "aux_hidden_states": (stored_dtype(s.aux_dtype, s.dtype), (s.num_aux * s.hidden_size,)),
         }
-        if s.aux_dtype == "fp8":
-            out["aux_hidden_states_scale"] = (torch.float32, ())
-        if s.kind == "hidden":
+        if s.num_aux:  # MTP alone reads no layer
+            out["aux_hidden_states"] = (stored_dtype(s.aux_dtype, s.dtype), (s.num_aux * s.hidden_size,))
+            if s.aux_dtype == "fp8":
+                out["aux_hidden_states_scale"] = (torch.float32, ())
+        if self.final_states():
             out["hidden"] = (stored_dtype(s.aux_dtype, s.dtype), (s.hidden_size,))
             if s.aux_dtype == "fp8":
                 out["hidden_scale"] = (torch.float32, ())
+        if s.kind == "hidden":
             return out
         if s.kind != "draft-topk":
             out["lse"] = (torch.float32, ())
@@ -294,6 +382,8 @@ class NativeLayout(Layout):
             if name in out:  # a scale, made with its fp8 values; the ragged fields, made above
                 continue
             t = result[name]
+            if name == "aux_hidden_states":
+                t = select_layers(t, self.spec.capture_ids, self.stored_layers(), self.spec.hidden_size)
             if dtype == FP8:  # quantise what --aux-dtype auto would store
                 out[name], out[SCALE_NAMES[name]] = quantize(t.to(self.spec.dtype))
             else:

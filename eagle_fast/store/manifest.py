@@ -213,3 +213,12 @@ def iter_files(manifest: dict) -> Iterable[dict]:
     for shard in manifest.get("shards", []):
         yield from shard.get("files", [])
     yield from manifest.get("extra_files", [])
+
+
+def record_dirs(directory: str | os.PathLike) -> list[str]:
+    """The dataset directories under `directory`: itself, or for an extraction of several records
+    (layout "multi", store/multi.py) each record's subdirectory, in the manifest's order."""
+    m = read_manifest(Path(directory))
+    if m["layout"] != "multi":
+        return [str(directory)]
+    return [str(Path(directory) / p["dir"]) for p in m["parts"]]

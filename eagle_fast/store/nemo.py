@@ -20,7 +20,7 @@ import torch
 from eagle_fast.dtypes import long_name, short_name
 from eagle_fast.head import read_input_embedding
 from eagle_fast.inputs import ShardPlan
-from eagle_fast.store.layouts import Layout, LayoutSpec, ShardSink, shard_file_name
+from eagle_fast.store.layouts import Layout, LayoutSpec, ShardSink, select_layers, shard_file_name
 from eagle_fast.store.manifest import file_record
 from eagle_fast.store.safetensors import SafetensorsWriter, open_safetensors, write_safetensors
 from eagle_fast.supervision import shift_left
@@ -101,7 +101,8 @@ class NemoLayout(Layout):
         attn = torch.zeros(S, dtype=torch.int64)
         attn[:T] = 1
         aux = torch.zeros(S, s.num_aux * s.hidden_size, dtype=s.dtype)
-        aux[:T] = result["aux_hidden_states"].to(s.dtype)
+        layers = s.types[0].layer_ids if s.types else s.capture_ids
+        aux[:T] = select_layers(result["aux_hidden_states"], s.capture_ids, layers, s.hidden_size).to(s.dtype)
         # Row t of the shifted fields describes position t+1 (NeMo's shifted target frame).
         # Where no real position t+1 exists, NeMo's zero-filled logits give a uniform
         # distribution; its padded positions are masked out of the loss anyway.
@@ -137,6 +138,27 @@ class NemoLayout(Layout):
     def read_sample(self, root, shard_record, local_index, handles=None):
         h = open_safetensors(root / shard_record["files"][0]["path"], handles)
         return {name: h.get_slice(name)[local_index] for name in self.sample_fields()}
+
+    def shard_extras(self, shard):
+        # NeMo's shifted input_ids drop each sample's first token; keep it for verify.
+        return {"first_tokens": [s.input_ids[0] for s in shard.samples]}
+
+    def sidecar_names(self, ctx):
+        return super().sidecar_names(ctx) + [EMBEDDINGS]
+
+    def write_sidecars(self, root, have, ctx):
+        out = super().write_sidecars(root, have, ctx)
+        if EMBEDDINGS not in have:
+            out.append(write_target_embeddings(root, ctx.model_dir, tag=ctx.tag))
+        return out
+
+    def manifest_body(self, m, ctx):
+        body = nemo_manifest_fields(self.spec, model_id=ctx.model_id, data_path=m["data"]["path"],
+                                    num_samples=m["num_samples"], shard_size=m["shard_size"],
+                                    aux_layer_ids=list(m["aux_layer_ids"]),
+                                    draft_ids=None if ctx.draft_ids is None else ctx.draft_ids.tolist())
+        body["eagle_fast"] = m
+        return body
 
 
 class _NemoSink(ShardSink):
@@ -188,9 +210,12 @@ def nemo_manifest_fields(spec: LayoutSpec, *, model_id: str, data_path: str, num
     }
 
 
+EMBEDDINGS = "target_embeddings.safetensors"
+
+
 def write_target_embeddings(root: Path, model_dir: str, tag: str = "") -> dict:
     """NeMo's target_embeddings.safetensors: {"weight": fp32 [V, H]} (input embeddings)."""
     weight = read_input_embedding(model_dir)
-    path = write_safetensors(root / "target_embeddings.safetensors",
+    path = write_safetensors(root / EMBEDDINGS,
                              {"weight": weight.to(torch.float32).contiguous()}, tag=tag)
     return file_record(path, root)

@@ -1,8 +1,9 @@
 """vLLM speculators' hidden-state files (its hs_connectors read them).
 
-hidden_states/hs_{i}.safetensors per sample: hidden_states [T, 4, H] (the three aux layers in
+hidden_states/hs_{i}.safetensors per sample: hidden_states [T, n + 1, H] (the record's n layers in
 ascending order, then the final pre-norm hidden state, as vLLM's extract_hidden_states writes
-them) and token_ids int64 [T], plus our loss_mask bool [T]. With --aux-dtype fp8 it is
+them; every draft type speculators trains reads this one record: its reader takes all n layers
+and the final slot, MTP the final slot alone) and token_ids int64 [T], plus our loss_mask bool [T]. With --aux-dtype fp8 it is
 hs_connectors 0.9.0's FP8 layout (what its FP8HiddenStatesConnector writes and FP8Transfer
 reads): hidden_states float8_e4m3fn [T, 4, H] + hidden_states_scales fp32 [T, 1, 1], one
 scale per token over all four slots. When `datasets` is importable the
@@ -22,12 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle_fast.dtypes import long_name
 from eagle_fast.files import atomic_write_bytes, fsync_dir
 from eagle_fast.store.fp8 import quantize, stored_dtype
-from eagle_fast.store.layouts import FilePerSampleSink, Layout
+from eagle_fast.store.layouts import FilePerSampleSink, Layout, select_layers
 from eagle_fast.store.manifest import file_record
 from eagle_fast.store.safetensors import write_safetensors
 
@@ -41,8 +43,12 @@ class SpeculatorsLayout(Layout):
     def head_outputs(self):
         return None
 
-    def needs_final_hidden(self) -> bool:
-        return True
+    def final_states(self) -> set[str]:
+        return {"pre"}
+
+    def stored_layers(self) -> tuple[int, ...]:
+        """The layers of the record, ascending (every type it serves reads the same ones; MTP none)."""
+        return next((t.layer_ids for t in self.spec.types if t.layer_ids), ())
 
     def fields(self):
         s = self.spec
@@ -59,7 +65,8 @@ class SpeculatorsLayout(Layout):
     def encode(self, sample, result):
         s = self.spec
         T = sample.length
-        aux = result["aux_hidden_states"].to(s.dtype).reshape(T, s.num_aux, s.hidden_size)
+        aux = select_layers(result["aux_hidden_states"], s.capture_ids, self.stored_layers(), s.hidden_size)
+        aux = aux.to(s.dtype).reshape(T, s.num_aux, s.hidden_size)
         final = result["hidden"].to(s.dtype).reshape(T, 1, s.hidden_size)
         out = {
             "hidden_states": torch.cat([aux, final], dim=1).contiguous(),
@@ -84,6 +91,32 @@ class SpeculatorsLayout(Layout):
 
     def read_sample(self, root, shard_record, local_index, handles=None):
         return load_file(str(root / shard_record["files"][local_index]["path"]))
+
+    def sidecar_names(self, ctx):
+        names = super().sidecar_names(ctx)
+        return names + list(vocab_file_names(int(ctx.draft_ids.numel()))) if ctx.draft_ids is not None else names
+
+    def write_sidecars(self, root, have, ctx):
+        out = super().write_sidecars(root, have, ctx)
+        if ctx.draft_ids is not None and not set(vocab_file_names(int(ctx.draft_ids.numel()))) <= have:
+            out += write_speculators_vocab(root, ctx.d2t, ctx.t2d, tag=ctx.tag)
+        return out
+
+    def finalize(self, root, m, pairs=None):
+        if pairs is None:
+            write_speculators_arrow(root, arrow_pairs_from_files(root, m))
+        else:
+            write_speculators_arrow(root, pairs())
+
+
+def arrow_pairs_from_files(root: Path, m: dict) -> list[tuple[list[int], list[int]]]:
+    """Every sample's (token ids, loss mask) read back from its hs_{i}.safetensors, in sample order."""
+    pairs = []
+    for rec in sorted(m["shards"], key=lambda r: r["index"]):
+        for f in rec["files"]:
+            with safe_open(str(root / f["path"]), framework="pt") as h:  # ids and mask only
+                pairs.append((h.get_tensor("token_ids").tolist(), h.get_tensor("loss_mask").to(torch.int64).tolist()))
+    return pairs
 
 
 def write_speculators_arrow(root: Path, samples: list[tuple[list[int], list[int]]]) -> bool:
