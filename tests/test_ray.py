@@ -22,7 +22,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pipeline import HELD_DRIVER, manifest_core, mixed_jsonl, tree_digest, wait_for_shards
+from _pipeline import (
+    HELD_DRIVER,
+    assert_same_records,
+    manifest_core,
+    mixed_jsonl,
+    tree_digest,
+    wait_for_shards,
+)
 
 from eagle_fast import ExtractConfig, extract
 from eagle_fast.cli import main
@@ -139,6 +146,17 @@ def test_two_workers_write_the_single_process_bytes(inputs, local_ray, tiny_llam
     assert run["ray_workers"] == 2 and run["worker_restarts"] == 0
     # each worker's engine check, here skipped: transformers' captures are its own forward pass
     assert run["engine_checks"] == [{"skipped": "the hf engine: its captures are its own forward pass"}] * 2
+
+
+def test_several_records_on_ray_give_one_processes_bytes(inputs, local_ray, tiny_llama, tmp_path):
+    data, _ = inputs
+    kw = {"layout": "native,specforge", "draft_types": "eagle3,dflash",
+          "aux_layers": ["eagle3=0,1,3", "dflash=0,1,2,3"]}
+    extract(cfg_for(tiny_llama, data, tmp_path / "ref", **kw))
+    s = extract(cfg_for(tiny_llama, data, tmp_path / "out", **kw), ray=RayOptions(workers=2))
+    assert s.complete and s.run_samples == 32
+    assert_same_records(tmp_path / "out", tmp_path / "ref")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["manifest.json", "native", "specforge"]
 
 
 def test_started_in_one_process_finished_on_ray_with_a_worker_killed_mid_shard(

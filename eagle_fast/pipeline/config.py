@@ -100,6 +100,7 @@ class Summary:
     max_len: int = 0          # the layout's seq_length (nemo pads every sample to it)
     keep_mass: tuple = ()     # --keep-mass: (P, k, mean kept k, tokens at the cap, tokens)
     data_lines: tuple = ()    # a mix: each source's rows taken (mixing.mix_lines)
+    records: tuple = ()       # each record's draft types and their layers (the manifest's draft_types)
 
     @property
     def throughput(self) -> float:
@@ -113,6 +114,7 @@ class Summary:
             + ("" if self.complete else "  [incomplete]"),
         ]
         lines += [f"data         {line}" for line in self.data_lines]
+        lines += [f"draft types  {line}" for line in self.records]
         if self.truncated or self.skipped or self.no_loss:
             lines.append(f"inputs       {self.truncated} truncated, {self.skipped} skipped (over --max-len), "
                          f"{self.no_loss} without supervised tokens")

@@ -22,7 +22,7 @@ import errno
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,9 @@ from eagle_fast.errors import UserError
 from eagle_fast.mixing import mix_lines
 from eagle_fast.pipeline.config import ExtractPlan, fmt_bytes
 from eagle_fast.runners.base import capture_plan
+from eagle_fast.store import make_layout
+from eagle_fast.store.layouts import Layout
+from eagle_fast.store.multi import MultiLayout
 from eagle_fast.store.sizes import bytes_per_token, field_sizes, tensor_bytes
 
 # A safetensors header: its length word, the metadata, then ~one JSON entry per tensor (name,
@@ -50,6 +53,7 @@ class DiskPlan:
     shards: int
     pending_shards: int
     by_field: dict[str, float]          # bytes per token (nemo: per padded position)
+    by_type: dict[str, float]           # bytes per token of each record, and of each of its draft types alone
     pending_bytes: int                  # what this run will write
     bound: bool                         # --keep-mass: every token at the cap k
     seed_logits_bytes: int              # the seed's fp32 [tokens, vocab] logits
@@ -69,7 +73,10 @@ class DiskPlan:
                  f"--max-len) in {self.shards} shards; this run writes {self.pending_shards}"),
                  f"  on disk: {fmt_bytes(self.pending_bytes)}" + (" at most (--keep-mass: every token at the cap k)"
                                                                     if self.bound else ""),
-                 f"  per token: {per:,.0f} B = " + " + ".join(f"{k} {v:,.0f}" for k, v in self.by_field.items()),
+                 f"  per token: {per:,.0f} B = " + " + ".join(f"{k} {v:,.0f}" for k, v in self.by_field.items()
+                                                               if v),
+                 *[f"  per token, {name}: {v:,.0f} B" for name, v in self.by_type.items()
+                   if len(self.by_type) > 1],
                  (f"  the seed's full fp32 logits for the same tokens: {fmt_bytes(self.seed_logits_bytes)} "
                  f"({self.seed_logits_bytes / max(self.pending_bytes, 1):,.1f}x this run's bytes)"),
                  f"  capture staging per engine call: {fmt_bytes(self.staging_bytes)}"
@@ -96,27 +103,54 @@ def _capture_dir(p: ExtractPlan) -> str | None:
     return p.target.vllm.capture_dir or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
 
 
+def records(layout: Layout) -> list[tuple[str, Layout]]:
+    """(subdirectory, layout) of every record a run writes ("": --out itself)."""
+    return layout.parts if isinstance(layout, MultiLayout) else [("", layout)]
+
+
 def _extra_bytes(p: ExtractPlan) -> int:
-    """The files beside the shards: NeMo's fp32 target embeddings, the draft vocabulary files."""
+    """The files beside the shards, in every record: NeMo's target weights, speculators' Arrow table,
+    the draft vocabulary files."""
     extra = MANIFEST_BYTES
     fresh = not p.manifest.get("extra_files")
-    if p.layout.name == "nemo" and fresh:
-        extra += 4 * p.target.info.vocab_size * p.target.info.hidden_size
-    if p.layout.name == "speculators" and fresh:  # its Arrow table of every sample's ids and mask
-        extra += 12 * p.inputs.tokens + 24 * len(p.inputs.samples) + (3 << 10)
-    if p.draft_ids is not None:  # the draft vocabulary's files: int64 ids (or d2t offsets), a bool t2d
-        extra += 8 * p.spec.draft_size + p.target.info.vocab_size + 2 * (HEADER_BASE + HEADER_PER_TENSOR)
+    info = p.target.info
+    for _, layout in records(p.layout):
+        if layout.name == "nemo" and fresh:  # fp32 embeddings (EAGLE-3); embed + lm_head in the target dtype (DSpark)
+            dspark = layout.spec.draft_types == ("dspark",)
+            extra += (2 * p.target.dtype.itemsize if dspark else 4) * info.vocab_size * info.hidden_size
+        if layout.name == "speculators" and fresh:  # its Arrow table of every sample's ids and mask
+            extra += 12 * p.inputs.tokens + 24 * len(p.inputs.samples) + (3 << 10)
+        if p.draft_ids is not None:  # the draft vocabulary's files: int64 ids (or d2t offsets), a bool t2d
+            extra += 8 * p.spec.draft_size + info.vocab_size + 2 * (HEADER_BASE + HEADER_PER_TENSOR)
     return extra
 
 
 def shard_bytes(p: ExtractPlan, shards: list) -> int:
-    """The bytes `shards` write: the layout's declared fields (`store.sizes`) and each file's
-    header allowance (native, nemo: a file per shard; the others: a file per sample)."""
-    sizes = field_sizes(p.layout)
+    """The bytes `shards` write into every record: each layout's declared fields (`store.sizes`) and
+    each file's header allowance (native, nemo: a file per shard; the others: a file per sample)."""
     tokens, samples = sum(s.tokens for s in shards), sum(len(s.samples) for s in shards)
-    data = tensor_bytes(sizes, tokens, samples, shards=len(shards), positions=samples * p.spec.max_len)
-    files = len(shards) if p.layout.name in ("native", "nemo") else samples
-    return int(data + (HEADER_BASE + HEADER_PER_TENSOR * len(sizes)) * files)
+    total = 0
+    for _, layout in records(p.layout):
+        sizes = field_sizes(layout)
+        data = tensor_bytes(sizes, tokens, samples, shards=len(shards), positions=samples * layout.spec.max_len)
+        files = len(shards) if layout.name in ("native", "nemo") else samples
+        total += int(data + (HEADER_BASE + HEADER_PER_TENSOR * len(sizes)) * files)
+    return total
+
+
+def by_draft_type(layout: Layout) -> dict[str, float]:
+    """Bytes per token (nemo: per padded position) of each (record, draft type) as its own extraction
+    would store it, and of each record as written (serving all its types at once)."""
+    out: dict[str, float] = {}
+    for d, part in records(layout):
+        where = f"{d or part.name}"
+        spec = part.spec
+        if len(spec.types) > 1:
+            for t in spec.types:
+                alone = make_layout(replace(spec, types=(t,), num_aux=len(t.layer_ids)))
+                out[f"{where}: {t.draft_type} alone"] = sum(bytes_per_token(alone).values())
+        out[f"{where}: {'+'.join(spec.draft_types)}"] = sum(bytes_per_token(part).values())
+    return out
 
 
 def disk_plan(p: ExtractPlan) -> DiskPlan:
@@ -132,15 +166,18 @@ def disk_plan(p: ExtractPlan) -> DiskPlan:
     cap = _capture_dir(p)
     cap_free = free_space(cap)[1] if cap else None
     notes = [f"--data {line}" for line in mix_lines(p.data, p.inputs.sources or [])]
-    if p.layout.name not in ("native", "nemo"):
-        notes.append(f"--format {p.layout.name}: one file per sample, each with its header allowance counted")
+    for d, layout in records(p.layout):
+        if layout.name not in ("native", "nemo"):
+            notes.append(f"--format {layout.name}{f' ({d}/)' if d else ''}: one file per sample, each with its "
+                         "header allowance counted")
     if p.inputs.truncated or p.inputs.skipped:
         notes.append(f"--max-len {p.target.max_len}: {p.inputs.truncated:,} samples truncated, "
                      f"{p.inputs.skipped:,} skipped (--overlong {p.manifest['settings']['overlong']})")
     return DiskPlan(
         samples=len(p.inputs.samples), tokens=p.inputs.tokens, tokens_before_max_len=p.inputs.tokens_read,
         shards=len(p.shards),
-        pending_shards=len(p.pending), by_field=bytes_per_token(sizes), pending_bytes=int(pending),
+        pending_shards=len(p.pending), by_field=bytes_per_token(sizes), by_type=by_draft_type(p.layout),
+        pending_bytes=int(pending),
         bound=p.layout.spec.keep_mass > 0, seed_logits_bytes=4 * p.target.info.vocab_size * tokens,
         staging_bytes=int(staging), out_dir=out_dir, out_free=out_free, capture_dir=cap, capture_free=cap_free,
         notes=notes)

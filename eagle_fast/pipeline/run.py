@@ -426,7 +426,9 @@ def _summary(out: DatasetDir) -> Summary:
     naive = tokens * (4 * p.target.info.vocab_size + _aux_bytes_per_token(p.spec) + 8 + 1)
     kept = (p.spec.keep_mass, p.spec.k, *keep_mass_stats(p.root, done, p.spec)) if p.layout.ragged and done else ()
     return Summary(
-        out=str(p.root), layout=p.layout.name, supervision=p.kind,
+        out=str(p.root), layout=m["settings"]["layout"], supervision=m["settings"]["supervision"],
+        records=tuple(f"{r['dir'] + '/' if r['dir'] else r['format']}: " + ", ".join(
+            f"{t['draft_type']} {t['layer_ids']}" for t in r["draft_types"]) for r in m.get("draft_types", [])),
         samples=sum(r["samples"] for r in done), tokens=tokens, shards_done=len(done),
         shards_total=len(part_slice(len(p.shards), p.part)), complete=m["complete"], bytes=nbytes,
         fp32_logits_bytes=naive,

@@ -26,7 +26,7 @@ def make_layout(spec: LayoutSpec) -> Layout:
     if spec.layout == "multi":
         return MultiLayout(spec, [(d, make_layout(part)) for d, part in spec.parts])
     if spec.layout == "nemo" and spec.draft_types == ("dspark",):
-        from eagle_fast.store.nemo_dspark import NemoDSparkLayout  # noqa: PLC0415 - NeMo's DSpark cache
+        from eagle_fast.store.nemo_dspark import NemoDSparkLayout
 
         return NemoDSparkLayout(spec)
     return {"native": NativeLayout, "nemo": NemoLayout, "speculators": SpeculatorsLayout,

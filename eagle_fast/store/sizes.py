@@ -14,13 +14,14 @@ Limits: safetensors headers (~100 B per tensor and file) and the files beside th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from eagle_fast.dtypes import SHORT_NAMES, long_name
 from eagle_fast.store import make_layout
 from eagle_fast.store.layouts import Layout, LayoutSpec, NativeLayout, native_index_fields
+from eagle_fast.store.multi import MultiLayout
 
 PER = ("token", "position", "sample", "kept")
 
@@ -36,10 +37,13 @@ class FieldSize:
     shape: tuple[int, ...]
     per: str
     fixed: int = 0
+    same_as: str = ""  # another field whose bytes this one is (SpecForge: one tensor under two keys)
 
     @property
     def nbytes(self) -> int:
-        """Bytes per unit: itemsize x elements."""
+        """Bytes per unit: itemsize x elements (none for a field stored as another's bytes)."""
+        if self.same_as:
+            return 0
         return torch.empty((), dtype=self.dtype).element_size() * math.prod(self.shape)
 
 
@@ -51,7 +55,11 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def field_sizes(layout: Layout) -> list[FieldSize]:
-    """Every field `layout` writes into its shard files, with its bytes per token / position / sample."""
+    """Every field `layout` writes into its shard files, with its bytes per token / position / sample
+    (several records: each one's, named `dir/field`)."""
+    if isinstance(layout, MultiLayout):
+        return [replace(f, name=f"{d}/{f.name}", same_as=f"{d}/{f.same_as}" if f.same_as else "")
+                for d, part in layout.parts for f in field_sizes(part)]
     if isinstance(layout, NativeLayout):
         out = [FieldSize(n, d, tuple(t), "token") for n, (d, t) in layout.token_fields().items()]
         out += [FieldSize(n, d, (layout.spec.k,), "kept") for n, d in layout.kept_fields().items()]
@@ -67,7 +75,7 @@ def field_sizes(layout: Layout) -> list[FieldSize]:
         if "T" in shape:  # per token; other dims are its elements (specforge's leading 1 is none)
             t = shape.index("T")
             trailing = tuple(d for d in shape[:t] if d != 1) + tuple(shape[t + 1:])
-            out.append(FieldSize(name, dtype, trailing, "token"))
+            out.append(FieldSize(name, dtype, trailing, "token", same_as=f.get("same_as", "")))
         elif shape and shape[0] == layout.spec.max_len:  # padded to seq_length
             out.append(FieldSize(name, dtype, tuple(shape[1:]), "position"))
         else:
@@ -137,8 +145,9 @@ def size_table(sizes: list[FieldSize], tokens: int = 0, samples: int = 0, max_le
               else f"[T, <={f.shape[0]}]" for f in per_unit]
     shape_width = max(map(len, shapes), default=0)
     for f, shape in zip(per_unit, shapes):
+        share = f"= {f.same_as}, stored once" if f.same_as else f"{100 * f.nbytes / max(total, 1):5.1f} %"
         lines.append(f"{indent}{f.name:<{width}} {_fmt(f.nbytes):>10}  {long_name(f.dtype):<13} "
-                     f"{shape:<{shape_width}} {100 * f.nbytes / max(total, 1):5.1f} %")
+                     f"{shape:<{shape_width}} {share}")
     lines.append(f"{indent}{'total':<{width}} {_fmt(total):>10}")
     per_sample = [f for f in sizes if f.per == "sample"]
     if per_sample:

@@ -64,9 +64,13 @@ class SpecForgeLayout(Layout):
         s = self.spec
         dtype = long_name(s.dtype)
         out = {"input_ids": {"dtype": "int64", "shape": ["T"]}, "loss_mask": {"dtype": "int64", "shape": ["T"]}}
+        final = None
         for key, ids in self.hidden_keys().items():
             width = s.hidden_size if ids is None else (len(ids) or s.num_aux) * s.hidden_size
             out[key] = {"dtype": dtype, "shape": [1, "T", width]}
+            if ids is None and final is not None:  # the final state's second name: its bytes are stored once
+                out[key]["same_as"] = final
+            final = final or (key if ids is None else None)
         return out
 
     def encode(self, sample, result):
