@@ -43,6 +43,7 @@ from eagle_fast.errors import UserError
 from eagle_fast.inputs import load_tokenizer, plan_inputs
 from eagle_fast.pipeline.merge import merge
 from eagle_fast.runners.factory import default_runner_factory
+from eagle_fast.store.fp8 import dequantize, error_bound
 from eagle_fast.tiny import TinySpec, build_tiny_checkpoint
 
 N_LAYERS = 8
@@ -285,3 +286,26 @@ def test_a_run_killed_mid_way_resumes_to_the_same_records(tiny8, inputs, tmp_pat
     assert again.returncode == 0, again.stderr[-3000:]
     assert_same_records(out, tmp_path / "ref")
     assert not [p for p in out.rglob(".*")], "temp files left"
+
+
+def test_fp8_goes_to_every_record_a_trainer_reads_it_in(one_run, tiny8, inputs, tmp_path, capsys):
+    data = inputs[0]
+    code, _, err = run_main(capsys, "extract", "--model", tiny8, "--data", data, "--out", tmp_path / "no", "--engine",
+                            "hf", "--format", "native,specforge", "--draft-type", "eagle3,dflash", "--aux-dtype", "fp8")
+    assert code == 2 and "SpecForge 0.2.0 has no fp8 reader" in err and not (tmp_path / "no").exists()
+    out = tmp_path / "fp8"
+    extract(cfg(tiny8, inputs, out, layout="native,speculators", aux_dtype="fp8"))
+    ref = DraftDataset(one_run[0] / "native", draft_type="dflash")
+    got = DraftDataset(out / "native", draft_type="dflash")
+    for i in range(len(ref)):
+        raw = got.raw(i)
+        assert raw["aux_hidden_states"].dtype == torch.float8_e4m3fn
+        want = ref[i]["aux_hidden_states"]
+        err8 = (got[i]["aux_hidden_states"].double() - want.double()).abs()
+        # the record stores the union [1, 2, 3, 4, 5] (the dflash layers here), one scale per token over it
+        assert bool((err8 <= error_bound(want, raw["aux_hidden_states_scale"])).all()), "fp8 beyond its bound"
+        eagle3 = DraftDataset(out / "native", draft_type="eagle3")[i]["aux_hidden_states"]
+        assert torch.equal(eagle3, got[i]["aux_hidden_states"].reshape(len(want), 5, -1)[:, [0, 2, 3]].flatten(1))
+    sp = load_file(str(out / "speculators" / "hidden_states" / "hs_0.safetensors"))
+    assert sp["hidden_states"].dtype == torch.float8_e4m3fn and sp["hidden_states_scales"].shape[1:] == (1, 1)
+    assert dequantize(sp["hidden_states"], sp["hidden_states_scales"]).shape[1] == 4
