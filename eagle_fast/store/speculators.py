@@ -5,8 +5,8 @@ ascending order, then the final pre-norm hidden state, as vLLM's extract_hidden_
 them; every draft type speculators trains reads this one record: its reader takes all n layers
 and the final slot, MTP the final slot alone) and token_ids int64 [T], plus our loss_mask bool [T]. With --aux-dtype fp8 it is
 hs_connectors 0.9.0's FP8 layout (what its FP8HiddenStatesConnector writes and FP8Transfer
-reads): hidden_states float8_e4m3fn [T, 4, H] + hidden_states_scales fp32 [T, 1, 1], one
-scale per token over all four slots. When `datasets` is importable the
+reads): hidden_states float8_e4m3fn [T, n + 1, H] + hidden_states_scales fp32 [T, 1, 1], one
+scale per token over all its slots. When `datasets` is importable the
 finished directory also holds the Arrow table (input_ids, loss_mask, seq_len; saved with the
 "torch" format, which its ArrowDataset needs) that speculators' ArrowDataset loads from the same
 path. With a draft vocabulary, d2t-{N}.npy (int64 offsets) and t2d-{N}.npy (bool [V]) sit beside
