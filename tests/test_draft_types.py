@@ -182,6 +182,18 @@ def test_one_prefill_serves_every_record(one_run, inputs, tiny8):
     for d in ("native", "specforge", "speculators"):  # each record: a dataset of its own
         sub = json.loads((out / d / "manifest.json").read_text())
         assert sub["layout"] == d and sub["complete"] and len(sub["shards"]) == m["num_shards"]
+    # the trainers' own readers take their records of this one capture
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from speculators.train.data import ArrowDataset
+
+    registry = builtin_algorithm_registry()
+    for t in ("eagle3", "dflash"):
+        refs = registry.resolve(t).providers.offline_for("text").build_reader(
+            str(out / "specforge"), run_id="t", ttt_length=1, max_len=MAX_LEN).read()
+        assert len(refs) == len(plan.samples), t
+    arrow = ArrowDataset(max_len=MAX_LEN, datapath=str(out / "speculators"), on_missing="raise",
+                         hidden_states_dtype=torch.float32)
+    assert len(arrow) == len(plan.samples) and arrow[0]["hidden_states"].shape[-1] == 3 * 128
 
 
 def test_each_record_holds_transformers_states_of_its_layers(one_run, hf_states):
