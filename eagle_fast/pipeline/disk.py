@@ -102,6 +102,8 @@ def _extra_bytes(p: ExtractPlan) -> int:
     fresh = not p.manifest.get("extra_files")
     if p.layout.name == "nemo" and fresh:
         extra += 4 * p.target.info.vocab_size * p.target.info.hidden_size
+    if p.layout.name == "nemo-dspark" and fresh:  # its target_weights: embedding and LM head in the target dtype
+        extra += 2 * p.target.dtype.itemsize * p.target.info.vocab_size * p.target.info.hidden_size
     if p.layout.name == "speculators" and fresh:  # its Arrow table of every sample's ids and mask
         extra += 12 * p.inputs.tokens + 24 * len(p.inputs.samples) + (3 << 10)
     if p.draft_ids is not None:  # the draft vocabulary's files: int64 ids (or d2t offsets), a bool t2d
@@ -115,7 +117,7 @@ def shard_bytes(p: ExtractPlan, shards: list) -> int:
     sizes = field_sizes(p.layout)
     tokens, samples = sum(s.tokens for s in shards), sum(len(s.samples) for s in shards)
     data = tensor_bytes(sizes, tokens, samples, shards=len(shards), positions=samples * p.spec.max_len)
-    files = len(shards) if p.layout.name in ("native", "nemo") else samples
+    files = len(shards) if p.layout.name in ("native", "nemo", "nemo-dspark") else samples
     return int(data + (HEADER_BASE + HEADER_PER_TENSOR * len(sizes)) * files)
 
 
@@ -132,7 +134,7 @@ def disk_plan(p: ExtractPlan) -> DiskPlan:
     cap = _capture_dir(p)
     cap_free = free_space(cap)[1] if cap else None
     notes = [f"--data {line}" for line in mix_lines(p.data, p.inputs.sources or [])]
-    if p.layout.name not in ("native", "nemo"):
+    if p.layout.name not in ("native", "nemo", "nemo-dspark"):
         notes.append(f"--format {p.layout.name}: one file per sample, each with its header allowance counted")
     if p.inputs.truncated or p.inputs.skipped:
         notes.append(f"--max-len {p.target.max_len}: {p.inputs.truncated:,} samples truncated, "
