@@ -115,9 +115,10 @@ def _extra_bytes(p: ExtractPlan) -> int:
     fresh = not p.manifest.get("extra_files")
     info = p.target.info
     for _, layout in records(p.layout):
-        if layout.name == "nemo" and fresh:  # fp32 embeddings (EAGLE-3); embed + lm_head in the target dtype (DSpark)
-            dspark = layout.spec.draft_types == ("dspark",)
-            extra += (2 * p.target.dtype.itemsize if dspark else 4) * info.vocab_size * info.hidden_size
+        if layout.name == "nemo" and fresh:  # its fp32 target embeddings
+            extra += 4 * info.vocab_size * info.hidden_size
+        if layout.name == "nemo-dspark" and fresh:  # its target_weights: embedding and LM head in the target dtype
+            extra += 2 * p.target.dtype.itemsize * info.vocab_size * info.hidden_size
         if layout.name == "speculators" and fresh:  # its Arrow table of every sample's ids and mask
             extra += 12 * p.inputs.tokens + 24 * len(p.inputs.samples) + (3 << 10)
         if p.draft_ids is not None:  # the draft vocabulary's files: int64 ids (or d2t offsets), a bool t2d
@@ -133,7 +134,7 @@ def shard_bytes(p: ExtractPlan, shards: list) -> int:
     for _, layout in records(p.layout):
         sizes = field_sizes(layout)
         data = tensor_bytes(sizes, tokens, samples, shards=len(shards), positions=samples * layout.spec.max_len)
-        files = len(shards) if layout.name in ("native", "nemo") else samples
+        files = len(shards) if layout.name in ("native", "nemo", "nemo-dspark") else samples
         total += int(data + (HEADER_BASE + HEADER_PER_TENSOR * len(sizes)) * files)
     return total
 

@@ -189,7 +189,8 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
               "out_dtype": SHORT_NAMES[cfg.out_dtype], "max_len": target.max_len, "pad_token_id": int(pad_id),
               "aux_dtype": cfg.aux_dtype, "keep_mass": cfg.keep_mass or 0.0, "capture_ids": tuple(target.aux_layer_ids)}
     specs = [(r.subdir, LayoutSpec(layout=r.fmt, kind=k, k=cfg.k if k in ("topk", "draft-topk") else 0,
-                                   num_aux=len(record_layers(r)), types=r.types, **common))
+                                   num_aux=len(record_layers(r)), types=r.types, **common,
+                                   num_layers=info.num_hidden_layers if reads_final_norm_id(r) else 0))
              for r, k in zip(records, kinds)]
     spec = specs[0][1] if len(specs) == 1 else replace(specs[0][1], layout="multi", parts=tuple(specs))
     layout = make_layout(spec)
@@ -326,6 +327,12 @@ def record_layers(r: Record) -> tuple[int, ...]:
     if r.fmt == "specforge" and "eagle3" in r.names:
         return r.layers_of("eagle3")
     return next((t.layer_ids for t in r.types if t.layer_ids), ())
+
+
+def reads_final_norm_id(r: Record) -> bool:
+    """The record's reader takes layer id N - 1 as the final norm's output (NeMo's DSpark cache), so
+    its layout must know N."""
+    return r.fmt == "nemo" and r.names == ("dspark",)
 
 
 def plain_eagle3(records) -> bool:

@@ -2,7 +2,7 @@
 
 `manifest` (the dataset's source of truth, atomic writes, checksums), `safetensors` (a
 preallocated file filled row block by row block), the layouts (`layouts`: native; `nemo`:
-NeMo AutoModel's offline cache; `speculators`: vLLM speculators' hidden-state files;
+NeMo AutoModel's EAGLE-3 offline cache; `nemo_dspark`: its DSpark cache; `speculators`: vLLM speculators' hidden-state files;
 `specforge`: SpecForge's per-sample .ckpt features) and
 `dataset` (the PyTorch reader). This module picks a layout by name and (de)serialises its
 spec for the manifest.
@@ -17,6 +17,7 @@ from eagle_fast.dtypes import SHORT_NAMES, short_name
 from eagle_fast.store.layouts import Layout, LayoutSpec, NativeLayout
 from eagle_fast.store.multi import MultiLayout
 from eagle_fast.store.nemo import NemoLayout
+from eagle_fast.store.nemo_dspark import NemoDSparkLayout
 from eagle_fast.store.specforge import SpecForgeLayout
 from eagle_fast.store.speculators import SpeculatorsLayout
 
@@ -26,8 +27,6 @@ def make_layout(spec: LayoutSpec) -> Layout:
     if spec.layout == "multi":
         return MultiLayout(spec, [(d, make_layout(part)) for d, part in spec.parts])
     if spec.layout == "nemo" and spec.draft_types == ("dspark",):
-        from eagle_fast.store.nemo_dspark import NemoDSparkLayout
-
         return NemoDSparkLayout(spec)
     return {"native": NativeLayout, "nemo": NemoLayout, "speculators": SpeculatorsLayout,
             "specforge": SpecForgeLayout}[spec.layout](spec)
@@ -50,6 +49,7 @@ def spec_from_json(layout: str, s: dict) -> LayoutSpec:
         keep_mass=float(s.get("keep_mass", 0.0)),
         types=tuple(TypeLayers(t["draft_type"], tuple(t["layer_ids"]), t["final"]) for t in s.get("types", ())),
         capture_ids=tuple(s.get("capture_ids", ())),
+        num_layers=int(s.get("num_layers", 0)),
     )
 
 
@@ -70,4 +70,6 @@ def spec_to_json(spec: LayoutSpec) -> dict:
         out["types"] = [{"draft_type": t.draft_type, "layer_ids": list(t.layer_ids), "final": t.final}
                         for t in spec.types]
         out["capture_ids"] = list(spec.capture_ids)
+    if spec.num_layers:  # absent where no id means the final norm's output (all but NeMo's DSpark cache)
+        out["num_layers"] = spec.num_layers
     return out

@@ -19,7 +19,7 @@ absent for MTP alone), `hidden` [T, H] (the pre-norm final state) where MTP is a
 store/layouts.py). `target_p(i, tail)` (or `DraftDataset(dir, target_p="spread")`, which adds it to every
 sample) gives the dense draft distribution, rebuilt from the sparse fields where stored so. The nemo,
 speculators and specforge layouts yield their stored per-sample tensors
-as their own readers would (use NeMo's `CachedEagle3Dataset` for NeMo training).
+as their own readers would (use NeMo's `CachedEagle3Dataset` / `CachedDSparkDataset` for NeMo training).
 Hidden states stored in fp8 (`--aux-dtype fp8`) are dequantised on read (`store/fp8.py`) to the
 target's dtype, or to `aux_dtype` when given (which also casts non-fp8 ones); their scale
 fields are dropped. `raw(i)` returns the stored tensors as they are.
@@ -234,6 +234,8 @@ class DraftDataset(Dataset):
             return int(off[1] - off[0])
         if self.layout.name == "nemo":
             return int(self.raw(index)["attention_mask"].sum())
+        if self.layout.name == "nemo-dspark":  # no attention mask: the lengths are in the manifest
+            return int(rec["lengths"][local])
         return int(self.raw(index)["token_ids" if self.layout.name == "speculators" else "input_ids"].numel())
 
     def sample_plan(self, index: int) -> SamplePlan:
@@ -247,6 +249,9 @@ class DraftDataset(Dataset):
             ids, mask = t["token_ids"], t["loss_mask"]
         elif self.layout.name == "specforge":
             ids, mask = t["input_ids"], t["loss_mask"]
+        elif self.layout.name == "nemo-dspark":  # unshifted, padded to seq_length
+            n = int(rec["lengths"][local])
+            ids, mask = t["input_ids"][:n], t["loss_mask"][:n]
         else:
             n = int(t["attention_mask"].sum())
             first = torch.tensor([int(rec["first_tokens"][local])], dtype=torch.int64)

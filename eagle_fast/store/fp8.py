@@ -30,9 +30,11 @@ def check_aux_dtype(layout: str, aux_dtype: str) -> None:
         raise UserError(f"--aux-dtype {aux_dtype!r} is not one of {', '.join(AUX_DTYPES)}", "pick one of them")
     if layout == "nemo" and aux_dtype == "fp8":
         raise UserError(
-            "--format nemo cannot store --aux-dtype fp8: NeMo AutoModel's CachedEagle3Dataset reads "
-            "aux_hidden_states as stored, without a scale, and its trainer feeds them to the draft's "
-            "fc layer as they are (a float8 tensor fails there; dropping the scales would be wrong values)",
+            "--format nemo cannot store --aux-dtype fp8: NeMo AutoModel's caches are read as stored, "
+            "without a scale (CachedEagle3Dataset's aux_hidden_states, CachedDSparkDataset's "
+            "target_hidden_states and target_last_hidden_states), and its trainers feed them to the "
+            "draft (its fc layer, the LM head) as they are (a float8 tensor fails there; dropping the "
+            "scales would be wrong values)",
             "drop --aux-dtype fp8 for --format nemo, or use --format native or speculators for fp8",
         )
     if layout == "specforge" and aux_dtype == "fp8":

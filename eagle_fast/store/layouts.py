@@ -65,6 +65,7 @@ class LayoutSpec:
     keep_mass: float = 0.0    # draft-topk: keep per token the fewest ids holding this mass (0: k ids)
     types: tuple = ()         # draft_types.TypeLayers this record serves (empty: EAGLE-3, as captured)
     capture_ids: tuple = ()   # the captured layers, in the order a result's aux_hidden_states holds them
+    num_layers: int = 0       # N decoder layers, where a layout's ids read id N - 1 as the final norm's output (NeMo's DSpark); else 0
     parts: tuple = ()         # layout "multi": (subdirectory, LayoutSpec) per record (store/multi.py)
 
     def union_layers(self) -> tuple[int, ...]:
