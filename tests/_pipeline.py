@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -110,6 +113,24 @@ def wait_for_shards(proc, out: Path, n: int, timeout: float) -> None:
         except (OSError, ValueError, KeyError):
             pass  # not written yet, or mid-rename
         time.sleep(0.05)
+
+
+def killed_and_resumed(argv, out: Path, timeout: float = 300) -> None:
+    """HELD_DRIVER's run of `argv(mode, out)` killed with SIGKILL once a shard is committed, then the
+    same command again to the end: the killed run must have left an incomplete manifest."""
+    proc = subprocess.Popen(argv("held", out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for_shards(proc, out, 1, timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    m = json.loads((Path(out) / "manifest.json").read_text())
+    assert not m["complete"] and 1 <= len(m["shards"]) < m["num_shards"]
+    again = subprocess.run(argv("fast", out), check=False, capture_output=True, text=True, timeout=timeout)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
 
 
 HELD_DRIVER = r"""

@@ -11,8 +11,6 @@ splits and merges, verifies and inspects as an EAGLE-3 extraction does.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
@@ -23,8 +21,8 @@ from _pipeline import (
     HELD_DRIVER,
     assert_same_records,
     chat_lines,
+    killed_and_resumed,
     run_main,
-    wait_for_shards,
     write_jsonl,
 )
 from _trainers import draft_vocab
@@ -283,19 +281,7 @@ def test_a_run_killed_mid_way_resumes_to_the_same_records(tiny8, inputs, tmp_pat
     ref = subprocess.run(argv("fast", tmp_path / "ref"), check=False, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "killed"
-    proc = subprocess.Popen(argv("held", out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        wait_for_shards(proc, out, 1, timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    m = json.loads((out / "manifest.json").read_text())
-    assert not m["complete"] and 1 <= len(m["shards"]) < m["num_shards"]
-    again = subprocess.run(argv("fast", out), check=False, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stderr[-3000:]
+    killed_and_resumed(argv, out)
     assert_same_records(out, tmp_path / "ref")
     assert not [p for p in out.rglob(".*")], "temp files left"
 

@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
@@ -21,9 +19,9 @@ import pytest
 from _pipeline import (
     HELD_DRIVER,
     chat_lines,
+    killed_and_resumed,
     manifest_core,
     tree_digest,
-    wait_for_shards,
     write_jsonl,
 )
 
@@ -234,19 +232,7 @@ def test_a_parquet_run_killed_mid_way_resumes_byte_identical(two_sources, tiny_l
     ref = subprocess.run(argv("fast", tmp_path / "ref"), check=False, capture_output=True, text=True, timeout=300)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     out = tmp_path / "killed"
-    proc = subprocess.Popen(argv("held", out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_for_shards(proc, out, 1, timeout=300)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    m = json.loads((out / "manifest.json").read_text())
-    assert not m["complete"] and 1 <= len(m["shards"]) < m["num_shards"]
-    again = subprocess.run(argv("fast", out), check=False, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    killed_and_resumed(argv, out)
     assert tree_digest(out, skip_manifest=True) == tree_digest(tmp_path / "ref", skip_manifest=True)
     assert manifest_core(out) == manifest_core(tmp_path / "ref")
 

@@ -133,7 +133,7 @@ class NemoLayout(Layout):
         return [shard_file_name(shard.index)]
 
     def open_shard(self, root, shard):
-        return _NemoSink(self, root, shard)
+        return StackedShardSink(self, root, shard)
 
     def read_sample(self, root, shard_record, local_index, handles=None):
         h = open_safetensors(root / shard_record["files"][0]["path"], handles)
@@ -161,13 +161,16 @@ class NemoLayout(Layout):
         return body
 
 
-class _NemoSink(ShardSink):
-    def __init__(self, layout: NemoLayout, root: Path, shard: ShardPlan):
+class StackedShardSink(ShardSink):
+    """One shard file of NeMo's caches: every field `sample_fields()` names, a fixed shape per sample
+    (padded to seq_length), stacked on a leading sample axis; no __metadata__, so the header holds
+    what NeMo's write_shard (safetensors' save_file) stores, each tensor's keys sorted."""
+
+    def __init__(self, layout, root: Path, shard: ShardPlan):
         super().__init__(root)
         n = len(shard.samples)
         self.names = list(layout.sample_fields())
         specs = {name: (d, (n, *shape)) for name, (d, shape) in layout.sample_fields().items()}
-        # No __metadata__: byte-for-byte the fields NeMo's write_shard stores.
         self.writer = SafetensorsWriter(root / shard_file_name(shard.index), specs)
 
     def write(self, local_index, encoded):

@@ -33,10 +33,10 @@ from eagle_fast.dtypes import long_name, short_name
 from eagle_fast.errors import UserError
 from eagle_fast.files import read_json
 from eagle_fast.head import TargetHead, read_input_embedding
-from eagle_fast.inputs import ShardPlan
-from eagle_fast.store.layouts import Layout, ShardSink, select_layers, shard_file_name
+from eagle_fast.store.layouts import Layout, select_layers, shard_file_name
 from eagle_fast.store.manifest import file_record
-from eagle_fast.store.safetensors import SafetensorsWriter, open_safetensors, write_safetensors
+from eagle_fast.store.nemo import StackedShardSink
+from eagle_fast.store.safetensors import open_safetensors, write_safetensors
 
 DSPARK_FORMAT_VERSION = 1  # nemo_automodel.components.datasets.llm.dspark_cache._FORMAT_VERSION
 TARGET_WEIGHTS = "target_weights.safetensors"  # dspark_cache._TARGET_WEIGHTS_NAME
@@ -104,7 +104,7 @@ class NemoDSparkLayout(Layout):
         return [shard_file_name(shard.index)]
 
     def open_shard(self, root, shard):
-        return _DSparkSink(self, root, shard)
+        return StackedShardSink(self, root, shard)
 
     def read_sample(self, root, shard_record, local_index, handles=None):
         h = open_safetensors(root / shard_record["files"][0]["path"], handles)
@@ -155,27 +155,6 @@ class NemoDSparkLayout(Layout):
         }
         body["eagle_fast"] = m
         return body
-
-
-class _DSparkSink(ShardSink):
-    def __init__(self, layout: NemoDSparkLayout, root: Path, shard: ShardPlan):
-        super().__init__(root)
-        n = len(shard.samples)
-        self.names = list(layout.sample_fields())
-        specs = {name: (d, (n, *shape)) for name, (d, shape) in layout.sample_fields().items()}
-        # No __metadata__: the header and tensor bytes NeMo's write_shard (safetensors' save_file)
-        # writes, but for each tensor's header keys, which ours sorts (save_file: dtype, shape, data_offsets).
-        self.writer = SafetensorsWriter(root / shard_file_name(shard.index), specs)
-
-    def write(self, local_index, encoded):
-        for name in self.names:
-            self.writer.write(name, local_index, encoded[name].unsqueeze(0))
-
-    def commit(self):
-        return [file_record(self.writer.commit(), self.root)]
-
-    def abort(self):
-        self.writer.abort()
 
 
 def write_target_weights(root: Path, model_dir: str, dtype: torch.dtype, tag: str = "") -> dict:
