@@ -45,8 +45,9 @@ from eagle_fast.store.fp8 import dequantize, error_bound
 from eagle_fast.tiny import TinySpec, build_tiny_checkpoint
 
 N_LAYERS = 8
-FORMATS = "native,specforge,speculators"
-TYPES = "eagle3,dflash,mtp"
+FORMATS = "native,nemo,specforge,speculators"  # every layout
+TYPES = "eagle3,dflash,dspark,mtp"
+RECORDS = ["native", "nemo-eagle3", "nemo-dspark", "specforge", "speculators"]
 MAX_LEN = 64
 K = 5  # --draft-layers: DFlash's rule gives [1, 2, 3, 4, 5] at 8 layers
 
@@ -172,14 +173,17 @@ def test_one_prefill_serves_every_record(one_run, inputs, tiny8):
     plan = plan_inputs(inputs[0], load_tokenizer(str(tiny8)), 1031, max_len=MAX_LEN, overlong="truncate")
     assert sorted(seen) == sorted(x.length for x in plan.samples), "each sample is prefilled exactly once"
     m = json.loads((out / "manifest.json").read_text())
-    assert m["layout"] == "multi" and [p["dir"] for p in m["parts"]] == ["native", "specforge", "speculators"]
-    assert m["capture"]["layer_ids"] == [1, 2, 3, 4, 5] and m["capture"]["vllm_layer_ids"] == [2, 3, 4, 5, 6]
+    assert m["layout"] == "multi" and [p["dir"] for p in m["parts"]] == RECORDS
+    # NeMo's DSpark rule reaches id 7 = N - 1 (its post-norm state; the capture's final slot)
+    assert m["capture"]["layer_ids"] == [1, 2, 3, 4, 5, 6, 7] and m["capture"]["vllm_layer_ids"] == [2, 3, 4, 5, 6, 7, 8]
     sf = next(r for r in m["draft_types"] if r["format"] == "specforge")
     assert [(t["draft_type"], t["layer_ids"], t["vllm_layer_ids"]) for t in sf["draft_types"]] == [
-        ("eagle3", [1, 3, 4], [2, 4, 5]), ("dflash", [1, 2, 3, 4, 5], [2, 3, 4, 5, 6])]  # specforge holds no MTP
-    for d in ("native", "specforge", "speculators"):  # each record: a dataset of its own
+        ("eagle3", [1, 3, 4], [2, 4, 5]), ("dflash", [1, 2, 3, 4, 5], [2, 3, 4, 5, 6]),
+        ("dspark", [1, 2, 3, 4, 5], [2, 3, 4, 5, 6])]  # specforge holds no MTP
+    for d in RECORDS:  # each record: a dataset of its own
         sub = json.loads((out / d / "manifest.json").read_text())
-        assert sub["layout"] == d and sub["complete"] and len(sub["shards"]) == m["num_shards"]
+        inner = sub.get("eagle_fast", sub)
+        assert inner["layout"] == d.split("-")[0] and inner["complete"] and len(inner["shards"]) == m["num_shards"]
     # the trainers' own readers take their records of this one capture
     from specforge.algorithms.builtin import builtin_algorithm_registry
     from speculators.train.data import ArrowDataset
@@ -214,6 +218,12 @@ def test_each_record_holds_transformers_states_of_its_layers(one_run, hf_states)
         assert sp.shape[1] == 4  # eagle3, dflash (speculators' rule: the same 3 layers) and mtp share it
         assert_close(sp[:, :3].flatten(1), layers(hs, [1, 3, 4]), **close, name="speculators layers")
         assert_close(sp[:, 3], pre, **close, name="speculators final slot (pre-norm)")
+        # NeMo's DSpark cache: its rule's ids [1, 2, 4, 6, 7], id 7 (= N - 1) the final norm's output
+        nd = DraftDataset(out / "nemo-dspark").raw(i)
+        T = len(plan.input_ids)
+        want = torch.cat([layers(hs, [1, 2, 4, 6]), hs[-1]], dim=-1)
+        assert_close(nd["target_hidden_states"][:T], want, **close, name="nemo dspark layers")
+        assert_close(nd["target_last_hidden_states"][:T], hs[-1], **close, name="nemo dspark final (post-norm)")
         # an off-by-one layer would not pass: the neighbouring layers differ
         assert not torch.allclose(layers(hs, [1, 3, 4]), layers(hs, [2, 4, 5]), atol=1e-3)
 
@@ -256,15 +266,15 @@ def test_verify_and_inspect_take_every_record(one_run, capsys):
     out = one_run[0]
     code, text, _ = run_main(capsys, "verify", out, "--samples", "2")
     assert code == 0, text
-    assert [line for line in text.splitlines() if line.startswith("verify:")] == ["verify: PASS"] * 3
+    assert [line for line in text.splitlines() if line.startswith("verify:")] == ["verify: PASS"] * len(RECORDS)
     code, text, _ = run_main(capsys, "inspect", out)
-    assert code == 0 and "3 records from one capture" in text and "specforge/ (specforge): eagle3 [1, 3, 4]" in text
+    assert code == 0 and f"{len(RECORDS)} records from one capture" in text and "specforge/ (specforge): eagle3 [1, 3, 4]" in text
     code, text, _ = run_main(capsys, "inspect", out, "--show-mask", "0")
     assert code == 0 and "[[" in text
-    with pytest.raises(UserError, match="3 records"):
+    with pytest.raises(UserError, match=f"{len(RECORDS)} records"):
         DraftDataset(out)
     with pytest.raises(UserError, match="holds draft types"):
-        DraftDataset(out / "native", draft_type="dspark")
+        DraftDataset(out / "native", draft_type="domino")
 
 
 def test_a_run_killed_mid_way_resumes_to_the_same_records(tiny8, inputs, tmp_path):
