@@ -332,3 +332,37 @@ def capture_layers(records: tuple[Record, ...]) -> tuple[int, ...]:
     if len(records) == 1 and len(records[0].types) == 1:
         return records[0].types[0].layer_ids
     return tuple(sorted({i for r in records for t in r.types for i in t.layer_ids}))
+
+
+def record_layers(r: Record) -> tuple[int, ...]:
+    """The layers of a record's main hidden-state field (the manifest's `aux_layer_ids`): the native
+    record's every type's (union, in capture order, sorted when it holds several types), speculators'
+    one set, SpecForge's EAGLE-3 keys' (else the DFlash family's), a NeMo cache's type's."""
+    if r.fmt == "native":
+        if len(r.types) == 1:
+            return r.types[0].layer_ids
+        return tuple(sorted({i for t in r.types for i in t.layer_ids}))
+    if r.fmt == "specforge" and "eagle3" in r.names:
+        return r.layers_of("eagle3")
+    return next((t.layer_ids for t in r.types if t.layer_ids), ())
+
+
+def reads_final_norm_id(r: Record) -> bool:
+    """The record's reader takes layer id N - 1 as the final norm's output (NeMo's DSpark cache), so
+    its layout must know N."""
+    return r.fmt == "nemo" and r.names == ("dspark",)
+
+
+def describe_record(r: Record, num_layers: int) -> dict:
+    """A record as the manifest names it: where, which format, and each type's layers in both
+    conventions (eagle_fast's decoder-layer outputs; vLLM's capture ids and speculators' one higher),
+    the final state it reads and its trainer's reader; NeMo's DSpark cache holds the final norm's
+    output at id N - 1 (`post_norm_ids`)."""
+    def one(t):
+        out = {"draft_type": t.draft_type, "layer_ids": list(t.layer_ids), "vllm_layer_ids": vllm_ids(t.layer_ids),
+               "final": t.final, "reader": reader_of(r.fmt, t.draft_type).reader}
+        if reader_of(r.fmt, t.draft_type).rule == "nemo-dspark" and num_layers - 1 in t.layer_ids:
+            out["post_norm_ids"] = [num_layers - 1]
+        return out
+
+    return {"dir": r.subdir, "format": r.fmt, "draft_types": [one(t) for t in r.types]}

@@ -56,6 +56,11 @@ def inspect_text(directory: str) -> str:
            + (f" (--revision {m['model']['hub']['revision']})" if m["model"]["hub"].get("revision") else "")]
           if m["model"].get("hub") else []),
         f"engine      {m['settings']['engine']}, dtype {m['settings']['dtype']}, aux layers {m['aux_layer_ids']}",
+        *[f"draft type  {t['draft_type']}: layers {t['layer_ids']} (vLLM ids {t['vllm_layer_ids']})"
+          + (f", the final state {t['final']}-norm" if t["final"] != "none" else "")
+          + (f" (id {t['post_norm_ids'][0]}: the final norm's output)" if t.get("post_norm_ids") else "")
+          + f"; read by {t['reader']}"
+          for rec in m.get("draft_types", []) for t in rec["draft_types"]],
         "aux dtype   " + ("fp8 (float8_e4m3fn, one fp32 scale per token)" if m["settings"].get("aux_dtype") == "fp8"
                           else f"{m['settings']['dtype']} (the target dtype)"),
         f"supervision {sup['kind']}" + (f", k={sup['k']}" if sup["k"] else "")

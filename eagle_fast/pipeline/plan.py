@@ -31,9 +31,11 @@ from eagle_fast.draft_types import (
     LAYER_CONVENTION,
     Record,
     capture_layers,
+    describe_record,
     parse_aux_overrides,
     parse_names,
-    reader_of,
+    reads_final_norm_id,
+    record_layers,
     resolve_records,
     skipped_pairs,
     vllm_ids,
@@ -213,7 +215,7 @@ def resolve(cfg: ExtractConfig, *, dry_run: bool = False, on_ray: bool = False) 
         "shard_size": cfg.shard_size,
     }
     if not plain_eagle3(records):  # absent for EAGLE-3 alone, so those manifests stay as they always were
-        settings["records"] = [describe_record(r) for r in records]
+        settings["records"] = [describe_record(r, info.num_hidden_layers) for r in records]
     if cfg.aux_dtype != "auto":  # absent for auto, so those manifests stay as they always were
         settings["aux_dtype"] = cfg.aux_dtype
     if cfg.keep_mass is not None:  # likewise absent for a fixed k
@@ -316,38 +318,9 @@ def record_kinds(supervision: str | None, records, have_draft: bool) -> list[str
     return kinds
 
 
-def record_layers(r: Record) -> tuple[int, ...]:
-    """The layers of a record's main hidden-state field (the manifest's `aux_layer_ids`): the native
-    record's every type's (union, in capture order, sorted when it holds several types), speculators'
-    one set, SpecForge's EAGLE-3 keys' (else the DFlash family's), a NeMo cache's type's."""
-    if r.fmt == "native":
-        if len(r.types) == 1:
-            return r.types[0].layer_ids
-        return tuple(sorted({i for t in r.types for i in t.layer_ids}))
-    if r.fmt == "specforge" and "eagle3" in r.names:
-        return r.layers_of("eagle3")
-    return next((t.layer_ids for t in r.types if t.layer_ids), ())
-
-
-def reads_final_norm_id(r: Record) -> bool:
-    """The record's reader takes layer id N - 1 as the final norm's output (NeMo's DSpark cache), so
-    its layout must know N."""
-    return r.fmt == "nemo" and r.names == ("dspark",)
-
-
 def plain_eagle3(records) -> bool:
     """One record of EAGLE-3 alone: what every extraction before draft types wrote."""
     return len(records) == 1 and records[0].names == ("eagle3",)
-
-
-def describe_record(r: Record) -> dict:
-    """A record as the manifest names it: where, which format, and each type's layers in both
-    conventions (eagle_fast's decoder-layer outputs; vLLM's capture ids and speculators' one higher),
-    the final state it reads and its trainer's reader."""
-    return {"dir": r.subdir, "format": r.fmt,
-            "draft_types": [{"draft_type": t.draft_type, "layer_ids": list(t.layer_ids),
-                             "vllm_layer_ids": vllm_ids(t.layer_ids), "final": t.final,
-                             "reader": reader_of(r.fmt, t.draft_type).reader} for t in r.types]}
 
 
 def resolve_kind(supervision: str | None, layout: str, have_draft: bool) -> str:
@@ -381,7 +354,7 @@ def _initial_manifest(target, data: DataSpec, inputs: InputPlan, shards: list[Sh
         "capture": {"layer_ids": list(target.aux_layer_ids), "vllm_layer_ids": vllm_ids(target.aux_layer_ids),
                     "final": "the last layer's output before the final norm (vLLM id "
                              f"{info.num_hidden_layers})", "convention": LAYER_CONVENTION},
-        "draft_types": [describe_record(r) for r in records],
+        "draft_types": [describe_record(r, info.num_hidden_layers) for r in records],
         "supervision": {"kind": spec.kind, "k": spec.k, **({"keep_mass": spec.keep_mass} if spec.keep_mass else {}),
                         "draft_vocab_size": int(draft_ids.numel()) if draft_ids is not None else None,
                         "draft_vocab_file": "draft_vocab.safetensors" if draft_ids is not None else None},
@@ -401,17 +374,18 @@ def _initial_manifest(target, data: DataSpec, inputs: InputPlan, shards: list[Sh
         "runs": [],
     }
     if isinstance(layout, MultiLayout):  # each record's own manifest is made from its entry (store/multi.py)
-        out["parts"] = [_part_entry(r, d, part_layout, draft_ids)
+        out["parts"] = [_part_entry(r, d, part_layout, draft_ids, info.num_hidden_layers)
                         for r, (d, part_layout) in zip(records, layout.parts)]
     return out
 
 
-def _part_entry(r: Record, subdir: str, layout: Layout, draft_ids) -> dict:
+def _part_entry(r: Record, subdir: str, layout: Layout, draft_ids, num_layers: int) -> dict:
     """What a record's own manifest holds that differs from --out's."""
     spec = layout.spec
     return {"dir": subdir, "layout": spec.layout, "layout_spec": spec_to_json(spec), "fields": layout.fields(),
             "dtypes": {name: f["dtype"] for name, f in layout.fields().items()},
-            "aux_layer_ids": list(record_layers(r)), "draft_types": [describe_record(replace(r, subdir=""))],
+            "aux_layer_ids": list(record_layers(r)),
+            "draft_types": [describe_record(replace(r, subdir=""), num_layers)],
             "supervision": {"kind": spec.kind, "k": spec.k, **({"keep_mass": spec.keep_mass} if spec.keep_mass else {}),
                             "draft_vocab_size": int(draft_ids.numel()) if draft_ids is not None else None,
                             "draft_vocab_file": "draft_vocab.safetensors" if draft_ids is not None else None}}
