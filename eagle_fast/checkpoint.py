@@ -86,7 +86,8 @@ def load_model_info(model: str, require_weights: bool = True) -> ModelInfo:
     cfg = read_json(cfg_path, "fix the checkpoint's config.json (it must be the model's Hugging Face config)")
     text = text_config_dict(cfg)
     try:
-        layers, hidden, vocab = int(text["num_hidden_layers"]), int(text["hidden_size"]), int(text["vocab_size"])
+        layers, hidden, vocab = (int(_config_value(root, text, key)) for key in ("num_hidden_layers", "hidden_size",
+                                                                                 "vocab_size"))
     except (KeyError, TypeError, ValueError):
         raise UserError(
             f"{cfg_path} lacks num_hidden_layers / hidden_size / vocab_size",
@@ -107,6 +108,24 @@ def load_model_info(model: str, require_weights: bool = True) -> ModelInfo:
         config_token_ids={key: _config_ids(text.get(key, cfg.get(key))) for key in SPECIAL_TOKEN_KEYS},
         config=cfg,
     )
+
+
+def _config_value(root: Path, text: dict, key: str):
+    """`text[key]`, else what the family's transformers config computes for it (Nemotron-H's config.json
+    has no num_hidden_layers: its config class counts `layers_block_type`)."""
+    if key in text:
+        return text[key]
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(root))
+    except (OSError, ValueError, KeyError):
+        raise KeyError(key) from None
+    get = getattr(config, "get_text_config", None)
+    value = getattr(get(decoder=True) if callable(get) else config, key, None)
+    if value is None:
+        raise KeyError(key)
+    return value
 
 
 def _config_ids(value: Any) -> list[int]:

@@ -1,29 +1,28 @@
 """The target's output head, read straight from the checkpoint: final norm + LM head (+ embeddings).
 
 A vLLM engine keeps the target's weights in its own processes, so the supervision head cannot
-borrow them. `TargetHead.from_pretrained` opens the checkpoint's safetensors (a sharded
-`model.safetensors.index.json` or single files) and loads exactly the tensors the head needs:
-the final-norm weight and the LM-head weight (the input embedding when the embeddings are tied),
-plus, lazily and only when asked, the input embedding of an untied model. Nothing else is read:
-safetensors headers are parsed and the three tensors are fetched by name.
+borrow them. `TargetHead.from_pretrained` opens the checkpoint's safetensors (a sharded index or
+single files) and loads exactly the tensors the head needs: the final-norm weight (and bias), the
+LM-head weight (the input embedding when tied), and, lazily and only when asked, the input
+embedding of an untied model.
 
-Weight names are found by suffix, so the decoder may sit under any prefix (`model.`,
-`model.language_model.` in multimodal wrappers, `language_model.model.`, ...). The norm variant,
-`rms_norm_eps`, logit scale and final-logit softcap come from the HF config of a known
-architecture (`_ARCH_HEADS`); for anything else the error names what is missing, and
-`overrides={"norm": ..., "eps": ..., "logit_scale": ..., "softcap": ...}` supplies it.
-
-Weights that are not finite are refused when the head is built (`check_finite`: one read).
-`TargetHead.compute` runs `eagle_fast.kernels.lm_head` (fused Triton on CUDA, PyTorch
-elsewhere) and returns its `HeadOutput`. Limits: RMSNorm-style final norms only (LayerNorm with
-bias, e.g. Cohere or GPT-2, is rejected); no tensor-parallel sharding of the head.
+The rules (norm formula, eps, logit scale, softcap, tying, the tensors' names) are read from the
+family's own transformers modules (`head_rules.py`), `overrides` winning; names are matched by
+suffix, so the decoder may sit under any prefix (`model.`, `model.language_model.`, ...). Before a
+run the head is held to transformers' own logits (`check_head`, `check_checkpoint_head`: random
+states through the family's real final norm and LM head), and a head that misses is refused with
+the numbers. Weights that are not finite are refused when the head is built (`check_finite`).
+`TargetHead.compute` runs `eagle_fast.kernels.lm_head`; a LayerNorm head (Cohere's) is normalised
+here first, the kernel taking the normalised state. Limits: no LM-head bias; no tensor-parallel
+sharding of the head.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,173 +31,52 @@ from safetensors import safe_open
 
 from eagle_fast.checkpoint import weight_files
 from eagle_fast.errors import UserError
+from eagle_fast.head_rules import (
+    HeadRules,
+    HeadSpec,
+    family_logits,
+    head_rules,
+    layer_norm,
+    text_config,
+)
 from eagle_fast.kernels import compiled_walk_serves, lm_head, lm_head_logits
 from eagle_fast.kernels.lm_head_torch import normalize
 
-__all__ = ["HeadSpec", "TargetHead", "check_finite", "head_spec_from_config", "text_config"]
+__all__ = ["HeadSpec", "TargetHead", "auto_config", "check_checkpoint_head", "check_finite", "check_head",
+           "text_config"]
 
-# model_type -> (norm variant, how the logit scale is derived, softcap attribute or None).
-# Every entry was checked against the transformers modeling code of the family: the final norm
-# is `x * rsqrt(mean(x^2) + eps) * w` ("rms") or `... * (1 + w)` ("rms_one_plus"), followed by a
-# bias-free linear head. Gemma-2/3 cap the final logits; Granite divides them by a constant.
-# olmo2 / gpt_oss multiply by `w` in fp32 before rounding (others round first): identical in
-# fp32, at most one ulp apart on the normalised activation in bf16.
-_RMS = "rms"
-_ONE_PLUS = "rms_one_plus"
-_ARCH_HEADS: dict[str, tuple[str, str | None, str | None]] = {
-    "llama": (_RMS, None, None),
-    "llama4_text": (_RMS, None, None),
-    "mistral": (_RMS, None, None),
-    "mixtral": (_RMS, None, None),
-    "qwen2": (_RMS, None, None),
-    "qwen2_moe": (_RMS, None, None),
-    # The Qwen-VL language models: plain RMSNorm heads (Qwen2_5_VLRMSNorm, Qwen3VLTextRMSNorm)
-    "qwen2_vl_text": (_RMS, None, None),
-    "qwen2_5_vl_text": (_RMS, None, None),
-    "qwen3_vl_text": (_RMS, None, None),
-    "qwen3_vl_moe_text": (_RMS, None, None),
-    "qwen3": (_RMS, None, None),
-    "qwen3_moe": (_RMS, None, None),
-    "phi3": (_RMS, None, None),
-    "deepseek_v2": (_RMS, None, None),
-    "deepseek_v3": (_RMS, None, None),
-    "glm4": (_RMS, None, None),
-    "olmo2": (_RMS, None, None),
-    "gpt_oss": (_RMS, None, None),
-    "granite": (_RMS, "inv:logits_scaling", None),
-    "granitemoe": (_RMS, "inv:logits_scaling", None),
-    "gemma": (_ONE_PLUS, None, None),
-    "gemma2": (_ONE_PLUS, None, "final_logit_softcapping"),
-    "gemma3": (_ONE_PLUS, None, "final_logit_softcapping"),
-    "gemma3_text": (_ONE_PLUS, None, "final_logit_softcapping"),
-    # Gemma-4: a plain RMSNorm (times w in fp32, as olmo2's), unlike Gemma-1/2/3's 1 + w
-    "gemma4": (_RMS, None, "final_logit_softcapping"),
-    "gemma4_text": (_RMS, None, "final_logit_softcapping"),
-    "qwen3_next": (_ONE_PLUS, None, None),
-    "qwen3_5": (_ONE_PLUS, None, None),
-    "qwen3_5_text": (_ONE_PLUS, None, None),
-    "qwen3_5_moe": (_ONE_PLUS, None, None),
-    "qwen3_5_moe_text": (_ONE_PLUS, None, None),
-}
-# Families whose head we knowingly do not support, with the reason (clearer than "unknown").
-_UNSUPPORTED = {
-    "cohere": "its final norm is a LayerNorm (mean-centred), not an RMSNorm",
-    "cohere2": "its final norm is a LayerNorm (mean-centred), not an RMSNorm",
-    "gpt2": "its final norm is a LayerNorm with bias, not an RMSNorm",
-}
-_EPS_KEYS = ("rms_norm_eps", "layer_norm_epsilon", "norm_eps")
+# The check before a run: this many random pre-norm states (row sizes from 1e-3, where eps weighs, to
+# 1e2), over the first CHECK_ROWS rows of the LM head, fp32 on both sides; a head within CHECK_RTOL
+# of transformers' largest logit (at least 1) passes. Both fp32: they differ by op order, ~1e-6.
+CHECK_STATES, CHECK_ROWS, CHECK_RTOL = 256, 2048, 1e-4
+_CHECKED: set[tuple] = set()  # (checkpoint files, rules) already held to transformers in this process
 
 
-@dataclass(frozen=True)
-class HeadSpec:
-    """What the head computes besides the GEMM: `norm`, `eps`, `logit_scale`, `softcap`."""
-
-    norm: str
-    eps: float
-    logit_scale: float = 1.0
-    softcap: float | None = None
-
-
-def text_config(config: Any) -> Any:
-    """The decoder's config: `config.get_text_config(decoder=True)` when the wrapper has one."""
-    get = getattr(config, "get_text_config", None)
-    if callable(get):
-        try:
-            return get(decoder=True)
-        except TypeError:  # older transformers: no `decoder` keyword
-            return get()
-    return getattr(config, "text_config", None) or config
-
-
-def head_family_error(config: Any) -> str | None:
-    """Why the head rules of this config's family are unknown (None: known). The model type only,
-    so a config read from config.json without transformers' defaults is judged right."""
-    text = text_config(config)
-    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
-    if model_type in _ARCH_HEADS or getattr(config, "model_type", None) in _ARCH_HEADS:
-        return None
-    why = _UNSUPPORTED.get(model_type)
-    archs = getattr(config, "architectures", None)
-    if why is not None:
-        return f"TargetHead: model_type {model_type!r} ({archs}) is not supported: {why}."
-    return (f"TargetHead: unknown architecture model_type={model_type!r} ({archs}). Missing: the final "
-            "norm variant ('rms' or Gemma's 'rms_one_plus'), its logit scale and final softcap. "
-            f"Known: {sorted(_ARCH_HEADS)}. Pass overrides={{'norm': ..., 'eps': ..., "
-            "'logit_scale': ..., 'softcap': ...}} if you know them.")
-
-
-def head_spec_from_config(config: Any, overrides: Mapping[str, Any] | None = None) -> HeadSpec:
-    """Derive the head's norm variant, eps, logit scale and softcap from an HF config.
-
-    `overrides` (keys `norm`, `eps`, `logit_scale`, `softcap`) win over the config and make an
-    unknown architecture usable. Raises ValueError naming what could not be determined.
-    """
-    overrides = dict(overrides or {})
-    unknown_keys = set(overrides) - {"norm", "eps", "logit_scale", "softcap"}
-    if unknown_keys:
-        raise ValueError(
-            f"head overrides: unknown keys {sorted(unknown_keys)}; "
-            "use norm, eps, logit_scale, softcap"
-        )
-    text = text_config(config)
-    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", None)
-    arch = _ARCH_HEADS.get(model_type) or _ARCH_HEADS.get(getattr(config, "model_type", None))
-    if arch is None and "norm" not in overrides:
-        raise ValueError(head_family_error(config))
-    norm, scale_rule, softcap_key = arch if arch is not None else (overrides["norm"], None, None)
-
-    eps = overrides.get("eps")
-    if eps is None:
-        for key in _EPS_KEYS:
-            value = getattr(text, key, None)
-            if value is None:
-                value = getattr(config, key, None)
-            if value is not None:
-                eps = value
-                break
-    if eps is None:
-        raise ValueError(
-            f"TargetHead: the config of model_type={model_type!r} has none of {list(_EPS_KEYS)}, "
-            "so the final norm's epsilon is unknown; pass overrides={'eps': ...}."
-        )
-
-    logit_scale = 1.0
-    if scale_rule is not None:
-        kind, key = scale_rule.split(":")
-        value = getattr(text, key, None)
-        if value is None:
-            raise ValueError(
-                f"TargetHead: model_type={model_type!r} needs config.{key} for its logit scale"
-            )
-        logit_scale = 1.0 / float(value) if kind == "inv" else float(value)
-    softcap = getattr(text, softcap_key, None) if softcap_key else None
-
-    spec = HeadSpec(
-        norm=overrides.get("norm", norm),
-        eps=float(eps),
-        logit_scale=float(overrides.get("logit_scale", logit_scale)),
-        softcap=overrides.get("softcap", softcap),
-    )
-    if spec.norm not in (_RMS, _ONE_PLUS, "none"):
-        raise ValueError(f"TargetHead: norm={spec.norm!r}; use 'rms', 'rms_one_plus' or 'none'")
-    return spec
-
-
-def _tied_flag(config: Any) -> bool | None:
-    for cfg in (config, text_config(config)):
-        value = getattr(cfg, "tie_word_embeddings", None)
-        if value is not None:
-            return bool(value)
-    return None
-
-
-def read_input_embedding(model_path: str | Path) -> torch.Tensor:
+def read_input_embedding(model_path: str | Path, config: Any = None) -> torch.Tensor:
     """The checkpoint's input embedding `[V, H]` in its stored dtype, on CPU (the decoder's
     `embed_tokens.weight`, chosen as `TargetHead` chooses it), without building a head."""
     model_path = Path(model_path)
     files = weight_files(model_path)
-    embed, _, _ = _resolve_names(files, True, model_path)
+    embed, _, _ = _resolve_names(files, replace(_rules_for(model_path, config), tied=True), model_path)
     return _load_tensors(files, {embed}, dtype=None, device="cpu")[embed]
+
+
+def _rules_for(model_path: Path, config: Any, overrides=None, trust_remote_code: bool = False) -> HeadRules:
+    return head_rules(config if config is not None else auto_config(model_path, trust_remote_code), overrides,
+                      trust_remote_code)
+
+
+def auto_config(model_path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
+    """The checkpoint's transformers config; UserError when transformers does not know its family."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as e:
+        raise UserError(f"transformers {transformers.__version__} cannot read {model_path}'s config, so the "
+                        f"family's head rules cannot be read from its code: {str(e).splitlines()[0][:200]}",
+                        "use a transformers that defines the family, or pass the head rules through the API "
+                        "(head_overrides) with the model's own code") from None
 
 
 # Decoder prefixes in order of preference when a checkpoint holds several decoders (e.g. a
@@ -213,37 +91,42 @@ _PREFIX_ORDER = (
 )
 
 
-def _resolve_names(names: Iterable[str], tied: bool | None, where: Path) -> tuple[str, str, str]:
-    """Pick (embed, final_norm, lm_head) tensor names; lm_head == embed when tied."""
+def _ends(name: str, suffix: str) -> bool:
+    return name == suffix or name.endswith("." + suffix)
+
+
+def _resolve_names(names: Iterable[str], rules: HeadRules, where: Path) -> tuple[str, str, str]:
+    """Pick (embed, final_norm, lm_head) tensor names by the family's leaf names (`rules`);
+    lm_head == embed when tied."""
     names = set(names)
-    prefixes = sorted(
-        n[: -len("embed_tokens.weight")] for n in names if n.endswith("embed_tokens.weight")
-    )
+    embed_leaf, norm_leaf = rules.embed_name + ".weight", rules.norm_name + ".weight"
+    prefixes = sorted(n[: -len(embed_leaf)] for n in names if _ends(n, embed_leaf))
     if not prefixes:
-        raise ValueError(f"TargetHead: no input-embedding weight (*embed_tokens.weight) in {where}")
-    with_norm = [p for p in prefixes if p + "norm.weight" in names]
+        raise ValueError(f"TargetHead: no input-embedding weight (*{embed_leaf}) in {where}")
+    with_norm = [p for p in prefixes if p + norm_leaf in names]
     if not with_norm:
         raise ValueError(
             "TargetHead: the checkpoint has no final-norm weight: looked for "
-            f"{[p + 'norm.weight' for p in prefixes]} in {where}"
+            f"{[p + norm_leaf for p in prefixes]} in {where}"
         )
     ranked = [p for p in _PREFIX_ORDER if p in with_norm] + [
         p for p in with_norm if p not in _PREFIX_ORDER
     ]
     prefix = ranked[0]
-    embed, norm = prefix + "embed_tokens.weight", prefix + "norm.weight"
-    heads = sorted(n for n in names if n.endswith("lm_head.weight"))
+    embed, norm = prefix + embed_leaf, prefix + norm_leaf
+    head_leaf = rules.lm_head_name + ".weight"
+    heads = sorted(n for n in names if _ends(n, head_leaf))
     # The head belongs to the wrapper around the decoder: "lm_head.weight" for "model." and
     # "model.language_model.", "language_model.lm_head.weight" for "language_model.model.":
     # take the head whose owner is the longest prefix of the decoder's.
-    owned = [h for h in heads if prefix.startswith(h[: -len("lm_head.weight")])]
+    owned = [h for h in heads if prefix.startswith(h[: -len(head_leaf)])]
     head = max(owned, key=len) if owned else (heads[0] if len(heads) == 1 else None)
-    if tied is True or (tied is None and head is None):
+    if rules.tied is True or (rules.tied is None and head is None):
         return embed, norm, embed
     if head is None:
         raise ValueError(
             "TargetHead: config says tie_word_embeddings=False but the checkpoint has no LM-head "
-            f"weight (*lm_head.weight; candidates {sorted(heads)}) in {where}"
+            f"weight (*{head_leaf}; candidates {sorted(heads)}) in {where}"
         )
     return embed, norm, head
 
@@ -261,29 +144,34 @@ class TargetHead:
         norm_weight: torch.Tensor | None,
         spec: HeadSpec,
         *,
+        norm_bias: torch.Tensor | None = None,
         embed_weight: torch.Tensor | None = None,
         tied: bool = False,
         source: dict | None = None,
+        rules: HeadRules | None = None,
     ):
         if lm_head_weight.dim() != 2:
             raise ValueError(f"lm_head_weight must be [V, H], got {tuple(lm_head_weight.shape)}")
-        if spec.norm != "none" and (
-            norm_weight is None or norm_weight.shape != lm_head_weight.shape[1:]
-        ):
-            shape = None if norm_weight is None else tuple(norm_weight.shape)
-            raise ValueError(
-                f"norm_weight must be [H={lm_head_weight.shape[1]}] for norm={spec.norm!r}, got {shape}"
-            )
-        names = (source or {}).get("lm_head", "lm_head_weight"), (source or {}).get("norm", "norm_weight")
-        for name, w in zip(names, (lm_head_weight, norm_weight)):
+        for what, w in (("norm_weight", norm_weight), ("norm_bias", norm_bias)):
+            if (what == "norm_weight" and spec.norm != "none" or w is not None) and (
+                    w is None or w.shape != lm_head_weight.shape[1:]):
+                shape = None if w is None else tuple(w.shape)
+                raise ValueError(f"{what} must be [H={lm_head_weight.shape[1]}] for norm={spec.norm!r}, got {shape}")
+        if norm_bias is not None and spec.norm != "layernorm":
+            raise ValueError(f"norm_bias is taken by norm='layernorm' only, not {spec.norm!r}")
+        src = source or {}
+        names = src.get("lm_head", "lm_head_weight"), src.get("norm", "norm_weight"), src.get("bias", "norm_bias")
+        for name, w in zip(names, (lm_head_weight, norm_weight, norm_bias)):
             if w is not None:
                 check_finite(name, w)
         self.lm_head_weight = lm_head_weight
         self.norm_weight = norm_weight
+        self.norm_bias = norm_bias
         self.spec = spec
+        self.rules = rules  # what the head was built from (None: from tensors)
         self.tied = tied
         self._embed_weight = None if tied else embed_weight  # tied: the LM head, whatever it is now
-        self._source = source or {}
+        self._source = src
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -296,48 +184,33 @@ class TargetHead:
         device: str | torch.device = "cpu",
         overrides: Mapping[str, Any] | None = None,
         trust_remote_code: bool = False,
+        check: bool = True,
     ) -> TargetHead:
         """Load the head from a checkpoint directory, reading only the tensors it needs.
 
         `config` is the HF config (loaded with `AutoConfig` when None). `dtype` casts the weights
-        (default: keep the checkpoint's). Raises ValueError naming a missing tensor or setting.
+        (default: keep the checkpoint's). The rules are the family's (`head_rules`), `overrides`
+        (norm, eps, logit_scale, softcap) winning; `check` holds the head to transformers' own
+        logits first (`check_head`; once per checkpoint and rules in a process). Raises ValueError
+        naming a missing tensor, UserError for rules that cannot be read or do not hold.
         """
         model_path = Path(model_path)
-        if config is None:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(
-                str(model_path), trust_remote_code=trust_remote_code
-            )
-        spec = head_spec_from_config(config, overrides)
-        files = weight_files(model_path)
-        tied_cfg = _tied_flag(config)
-        embed_name, norm_name, head_name = _resolve_names(files, tied_cfg, model_path)
+        config, rules, files, (embed_name, norm_name, head_name, bias_name) = _plan_head(
+            model_path, config, overrides, trust_remote_code)
         tied = head_name == embed_name
-        wanted = {head_name} if spec.norm == "none" else {head_name, norm_name}
+        wanted = {head_name} | ({norm_name} if rules.spec.norm != "none" else set()) | ({bias_name} - {None})
         loaded = _load_tensors(files, wanted, dtype=dtype, device=device)
-        source = {
-            "path": str(model_path),
-            "embed": embed_name,
-            "norm": norm_name,
-            "lm_head": head_name,
-            "dtype": dtype,
-            "device": device,
-            "files": files,
-        }
-        head = cls(
-            loaded[head_name],
-            loaded.get(norm_name),
-            spec,
-            embed_weight=loaded[head_name] if tied else None,
-            tied=tied,
-            source=source,
-        )
+        source = {"path": str(model_path), "embed": embed_name, "norm": norm_name, "lm_head": head_name,
+                  "dtype": dtype, "device": device, "files": files, **({"bias": bias_name} if bias_name else {})}
+        head = cls(loaded[head_name], loaded.get(norm_name), rules.spec, norm_bias=loaded.get(bias_name),
+                   embed_weight=loaded[head_name] if tied else None, tied=tied, source=source, rules=rules)
         cfg_vocab = getattr(text_config(config), "vocab_size", None)
         if cfg_vocab is not None and head.vocab_size < int(cfg_vocab):
             raise ValueError(
                 f"TargetHead: {head_name} has {head.vocab_size} rows < config vocab_size={cfg_vocab}"
             )
+        if check:
+            check_head(head, config, _files_key(files), trust_remote_code, overridden=bool(overrides))
         return head
 
     # -- properties -----------------------------------------------------------------------------
@@ -395,7 +268,7 @@ class TargetHead:
         if draft_ids is not None:
             draft_ids = torch.as_tensor(draft_ids, dtype=torch.long).to(self.device)
         return lm_head(
-            self._on_device(final_hidden),
+            self._kernel_input(final_hidden),
             self.lm_head_weight,
             **self._norm_args(),
             outputs=tuple(outputs),
@@ -428,18 +301,25 @@ class TargetHead:
         if impl not in ("auto", "torch"):
             raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
         return lm_head_logits(
-            self._on_device(final_hidden), self.lm_head_weight, **self._norm_args(), out=out
+            self._kernel_input(final_hidden), self.lm_head_weight, **self._norm_args(), out=out
         )
 
     def final_norm(self, final_hidden: torch.Tensor) -> torch.Tensor:
         """The final norm alone: the post-norm hidden state `[..., H]` in the head's dtype and on its
         device, rounded as the served model rounds it (what SGLang captures as the last hidden)."""
-        weight = self.norm_weight if self.spec.norm != "none" else None
-        return normalize(self._on_device(final_hidden), weight, eps=self.spec.eps, norm=self.spec.norm,
-                         dtype=self.dtype)
+        hidden, spec = self._on_device(final_hidden), self.spec
+        if spec.norm == "layernorm":
+            return layer_norm(hidden, self.norm_weight, self.norm_bias, eps=spec.eps, dtype=self.dtype)
+        weight = self.norm_weight if spec.norm != "none" else None
+        return normalize(hidden, weight, eps=spec.eps, norm=spec.norm, dtype=self.dtype)
 
     def _on_device(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.to(device=self.device, dtype=self.dtype)
+
+    def _kernel_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the kernel takes: the pre-norm state, or, for a norm it does not fuse (LayerNorm),
+        the normalised one (`_norm_args` then says norm="none")."""
+        return self.final_norm(hidden) if self.spec.norm == "layernorm" else self._on_device(hidden)
 
     def rounds_once(self, outputs: Sequence[str], k: int = 0, impl: str = "auto") -> bool:
         """Whether `compute` rounds these outputs once from fp32 and keeps no fp32 copy (the compiled CPU walk)."""
@@ -448,10 +328,11 @@ class TargetHead:
 
     def _norm_args(self) -> dict:
         """The head's `lm_head` / `lm_head_logits` arguments besides hidden and weight."""
+        fused = self.spec.norm not in ("none", "layernorm")
         return {
-            "norm_weight": self.norm_weight if self.spec.norm != "none" else None,
+            "norm_weight": self.norm_weight if fused else None,
             "eps": self.spec.eps,
-            "norm": self.spec.norm,
+            "norm": self.spec.norm if fused else "none",
             "logit_scale": self.spec.logit_scale,
             "softcap": self.spec.softcap,
         }
@@ -479,6 +360,96 @@ def check_finite(name: str, weight: torch.Tensor, rows_per_chunk: int = 1024) ->
             f"{where.split()[0]}s are not finite): the checkpoint is corrupt",
             "re-download or re-convert the checkpoint",
         )
+
+
+def _tied_flag(config: Any) -> bool | None:
+    for cfg in (config, text_config(config)):
+        value = getattr(cfg, "tie_word_embeddings", None)
+        if value is not None:
+            return bool(value)
+    return None
+
+
+def _plan_head(model_path: Path, config: Any, overrides, trust_remote_code: bool):
+    """(config, rules, tensor files, (embed, norm, lm_head, norm bias or None) names) of a checkpoint."""
+    config = config if config is not None else auto_config(model_path, trust_remote_code)
+    rules = head_rules(config, overrides, trust_remote_code)
+    if rules.tied is None:  # given, not derived: the config says
+        rules = replace(rules, tied=_tied_flag(config))
+    files = weight_files(model_path)
+    embed, norm, head = _resolve_names(files, rules, model_path)
+    bias = norm[: -len("weight")] + "bias" if rules.norm_bias else None
+    if bias is not None and bias not in files:
+        raise ValueError(f"TargetHead: the final norm has a bias, but the checkpoint has no {bias} in {model_path}")
+    return config, rules, files, (embed, norm, head, bias)
+
+
+def _files_key(files: Mapping[str, Path]) -> tuple:
+    paths = sorted({Path(f).resolve() for f in files.values()})
+    return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths)
+
+
+def check_states(hidden: int, n: int = CHECK_STATES) -> torch.Tensor:
+    """The check's pre-norm states [n, H], fp32, seeded: off-centre rows of sizes 1e-3 to 1e2."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, hidden, generator=g) + torch.randn(n, 1, generator=g)
+    return x * torch.logspace(-3, 2, n).unsqueeze(1)
+
+
+def check_head(head: TargetHead, config: Any, key: tuple = (), trust_remote_code: bool = False,
+               overridden: bool = False) -> float | None:
+    """Hold `head` to transformers' own logits (`head_rules.family_logits`: the family's final norm,
+    LM head and forward) on `check_states` over its first CHECK_ROWS vocabulary rows, fp32 on both
+    sides, before any run. Returns the largest |error| relative to the largest logit (None: rules
+    given for a family transformers cannot build, nothing to hold them to); UserError with the
+    numbers when it exceeds CHECK_RTOL. `key` (the checkpoint's files) caches a pass."""
+    rules = head.rules
+    if rules is None or rules.model_class is None:
+        return None
+    if key and (key, rules) in _CHECKED:
+        return 0.0
+    states = check_states(head.hidden_size)
+    rows = head.lm_head_weight[:CHECK_ROWS].detach().float().cpu()
+    norm_w = None if head.norm_weight is None else head.norm_weight.detach().float().cpu()
+    bias = None if head.norm_bias is None else head.norm_bias.detach().float().cpu()
+    sub = copy.copy(head)  # the same head on fp32 CPU copies of its tensors (checked for finiteness already)
+    sub.lm_head_weight, sub.norm_weight, sub.norm_bias = rows, norm_w, bias
+    ours = sub.logits(states)
+    theirs = family_logits(config, rules, states, norm_w, bias, rows, trust_remote_code)
+    largest = max(1.0, float(theirs.abs().max()))
+    err = float((ours - theirs).abs().max()) / largest
+    if not err <= CHECK_RTOL:  # NaN fails too
+        worst = int((ours - theirs).abs().max(-1).values.argmax())
+        raise UserError(
+            f"the head rules for {rules.model_class} ({rules.describe()}) do not reproduce transformers' own "
+            f"logits: max |error| {err * largest:.3g} against a largest logit of {largest:.3g} (relative "
+            f"{err:.2e} > {CHECK_RTOL:g}) over {states.shape[0]} random states x {rows.shape[0]} vocabulary rows; "
+            f"worst at a state of RMS {float(states[worst].pow(2).mean().sqrt()):.3g}",
+            "drop or correct the head_overrides" if overridden else
+            "this family's head is one eagle_fast does not read right: pass its rules through the API "
+            "(head_overrides), and report the family")
+    if key:
+        _CHECKED.add((key, rules))
+    return err
+
+
+def check_checkpoint_head(model_path: str | os.PathLike, config: Any = None, overrides=None,
+                          trust_remote_code: bool = False) -> HeadRules:
+    """The checkpoint's head rules, held to transformers (`check_head`) before anything runs: reads
+    the final norm and only the first CHECK_ROWS rows of the LM head. Returns the rules."""
+    model_path = Path(model_path)
+    config, rules, files, (_, norm, head_name, bias) = _plan_head(model_path, config, overrides,
+                                                                      trust_remote_code)
+    key = _files_key(files)
+    if (key, rules) in _CHECKED or rules.model_class is None:
+        return rules
+    by_name = _load_tensors(files, {norm} | ({bias} - {None}), dtype=torch.float32, device="cpu")
+    with safe_open(str(files[head_name]), framework="pt", device="cpu") as sf:
+        rows = sf.get_slice(head_name)[:CHECK_ROWS].float()
+    head = TargetHead(rows, by_name[norm] if rules.spec.norm != "none" else None, rules.spec,
+                      norm_bias=by_name.get(bias), rules=rules)
+    check_head(head, config, key, trust_remote_code, overridden=bool(overrides))
+    return rules
 
 
 def _load_tensors(

@@ -8,18 +8,16 @@ each tensor is checked exactly once per load; finite weights load as before.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from safetensors.torch import save_file
 
 import eagle_fast.head as head_mod
 from eagle_fast.errors import UserError
-from eagle_fast.head import TargetHead, head_spec_from_config
+from eagle_fast.head import HeadSpec, TargetHead
 
 V, H = 2500, 32  # three 1024-row chunks
-SPEC = head_spec_from_config(SimpleNamespace(model_type="llama", rms_norm_eps=1e-6))
+SPEC = HeadSpec(norm="rms", eps=1e-6)
 
 
 def _weights(dtype=torch.bfloat16):
@@ -60,7 +58,10 @@ def test_checkpoint_names_its_tensor_and_each_is_checked_once(tmp_path, monkeypa
     tensors = {"model.embed_tokens.weight": weight.clone(), "model.norm.weight": norm,
                "lm_head.weight": weight}  # fmt: skip
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    cfg = SimpleNamespace(model_type="llama", rms_norm_eps=1e-6, tie_word_embeddings=False)
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                      vocab_size=V, rms_norm_eps=1e-6, tie_word_embeddings=False)
     checked = []
     real = head_mod.check_finite
     monkeypatch.setattr(head_mod, "check_finite", lambda n, w: (checked.append(n), real(n, w)))

@@ -3,20 +3,22 @@
 Checked against transformers' own loaded weights (tied and untied), through a sharded index,
 under multimodal prefixes, and for every norm variant / scale / softcap rule, with errors that
 name what is missing. A recording `safe_open` proves nothing beyond the needed tensors is read.
+The rules come from the family's transformers modules (head_rules.py); overrides win, and carry a
+family transformers cannot build.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from types import SimpleNamespace
-
 import pytest
 import torch
 from _assert import assert_close
 from safetensors.torch import save_file
 
-from eagle_fast.head import TargetHead, head_spec_from_config
+from eagle_fast.errors import UserError
+from eagle_fast.head import TargetHead
+from eagle_fast.head_rules import head_rules
 
 
 @pytest.fixture
@@ -181,12 +183,17 @@ def test_multimodal_prefix_gemma_one_plus_norm_and_softcap(tmp_path, record_read
     assert_close(head.logits(x), expected, atol=2e-5, rtol=1e-5, name="gemma logits")
 
 
+def _llama_config(V, H, **kw):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1, num_attention_heads=2,
+                       vocab_size=V, **kw)
+
+
 def test_language_model_prefix_untied_head(tmp_path):
     g = torch.Generator().manual_seed(1)
     V, H = 211, 64
-    cfg = SimpleNamespace(
-        model_type="llama", rms_norm_eps=1e-6, tie_word_embeddings=False, vocab_size=V
-    )
+    cfg = _llama_config(V, H, rms_norm_eps=1e-6, tie_word_embeddings=False)
     path = _write(
         tmp_path / "llava",
         {
@@ -200,27 +207,34 @@ def test_language_model_prefix_untied_head(tmp_path):
     assert head.tensor_names["lm_head"] == "language_model.lm_head.weight" and not head.tied
 
 
-def test_granite_logit_scale_and_overrides():
-    granite = SimpleNamespace(model_type="granite", rms_norm_eps=1e-6, logits_scaling=8.0)
-    assert head_spec_from_config(granite).logit_scale == 0.125
-    odd = SimpleNamespace(model_type="my_arch", rms_norm_eps=1e-6)
-    spec = head_spec_from_config(odd, {"norm": "rms_one_plus", "softcap": 50.0})
-    assert (spec.norm, spec.eps, spec.softcap) == ("rms_one_plus", 1e-6, 50.0)
+def test_logit_scale_layernorm_and_overrides():
+    from transformers import CohereConfig, GraniteConfig
+
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "vocab_size": 300}
+    assert head_rules(GraniteConfig(**small, logits_scaling=8.0)).spec.logit_scale == 0.125
+    cohere = head_rules(CohereConfig(**small, logit_scale=0.0625, layer_norm_eps=1e-5))  # mean-centred, no bias
+    assert (cohere.spec.norm, cohere.spec.eps, cohere.spec.logit_scale, cohere.norm_bias) == (
+        "layernorm", 1e-5, 0.0625, False)
+    # a family transformers cannot build takes its rules from the overrides alone
+    from transformers import PretrainedConfig
+
+    unknown = PretrainedConfig(architectures=["MyArchForCausalLM"])
+    with pytest.raises(UserError, match=r"cannot build .*MyArchForCausalLM") as e:
+        head_rules(unknown)
+    assert "head_overrides" in e.value.fix
+    odd = head_rules(unknown, {"norm": "rms_one_plus", "eps": 1e-6, "softcap": 50.0})
+    assert (odd.spec.norm, odd.spec.eps, odd.spec.softcap, odd.model_class) == ("rms_one_plus", 1e-6, 50.0, None)
 
 
-def test_unknown_or_unsupported_architecture_errors_name_what_is_missing():
-    with pytest.raises(
-        ValueError, match=r"unknown architecture model_type='my_arch'.*norm variant.*softcap"
-    ):
-        head_spec_from_config(SimpleNamespace(model_type="my_arch", rms_norm_eps=1e-6))
-    with pytest.raises(ValueError, match="LayerNorm"):
-        head_spec_from_config(SimpleNamespace(model_type="cohere", layer_norm_eps=1e-5))
-    with pytest.raises(ValueError, match="rms_norm_eps"):
-        head_spec_from_config(SimpleNamespace(model_type="llama"))
+def test_rules_that_cannot_be_read_name_what_is_missing():
+    with pytest.raises(UserError, match=r"not a NoneType") as e:
+        head_rules(None)  # no transformers config, no overrides
+    assert "head_overrides" in e.value.fix
     with pytest.raises(ValueError, match="unknown keys"):
-        head_spec_from_config(
-            SimpleNamespace(model_type="llama", rms_norm_eps=1e-6), {"nrom": "rms"}
-        )
+        head_rules(_llama_config(300, 64), {"nrom": "rms"})
+    with pytest.raises(ValueError, match="norm='rmsnorm'"):
+        head_rules(_llama_config(300, 64), {"norm": "rmsnorm"})
 
 
 def test_checkpoint_missing_norm_or_head_errors(tiny_llama, tmp_path):

@@ -37,7 +37,7 @@ STAGES = [
     ("inputs", ("eagle_fast.chat", "eagle_fast.sources", "eagle_fast.mixing", "eagle_fast.records", "eagle_fast.inputs")),
     ("kernels", ("eagle_fast.kernels",)),
     ("supervision", ("eagle_fast.supervision",)),
-    ("target", ("eagle_fast.checkpoint", "eagle_fast.head", "eagle_fast.runners")),
+    ("target", ("eagle_fast.checkpoint", "eagle_fast.head_rules", "eagle_fast.head", "eagle_fast.runners")),
     ("store", ("eagle_fast.store",)),
     ("vocab", ("eagle_fast.vocab",)),
     ("pipeline", ("eagle_fast.pipeline",)),

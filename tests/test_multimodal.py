@@ -72,19 +72,21 @@ def test_the_vl_family_is_refused_before_anything_is_written(vl_model, engine, c
     assert not out.exists()
 
 
-def test_an_unknown_head_is_refused_before_anything_is_written(text_model, tmp_path, capsys):
-    """A family whose head rules are unknown stops at the plan, not after the manifest exists."""
+def test_a_family_transformers_does_not_know_is_refused_before_anything_is_written(text_model, tmp_path, capsys):
+    """A family whose head rules cannot be read (transformers has no code for it) stops at the plan,
+    not after the manifest exists."""
     model = tmp_path / "m"
     model.mkdir()
     for f in text_model.iterdir():
         (model / f.name).symlink_to(f)
     cfg = json.loads((text_model / "config.json").read_text())
     (model / "config.json").unlink()
-    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "cohere"}))
+    (model / "config.json").write_text(json.dumps({**cfg, "model_type": "no_such_family"}))
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(2))
     out = tmp_path / "out"
     code, _, err = run_main(capsys, "extract", "--model", model, "--data", data, "--out", out, "--engine", "hf")
-    assert code == 2 and "'cohere'" in err and "LayerNorm" in err, err
+    assert code == 2 and "no_such_family" in err and "head rules cannot be read" in err, err
+    assert "head_overrides" in err
     assert not out.exists()
 
 

@@ -12,12 +12,10 @@ Imports no engine: each is imported when its runner is built.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -31,7 +29,8 @@ from eagle_fast.checkpoint import (
 from eagle_fast.draft_types import eagle3_layers, parse_layer_list
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
-from eagle_fast.head import head_family_error
+from eagle_fast.head import auto_config, check_checkpoint_head
+from eagle_fast.head_rules import HeadRules, head_rules
 from eagle_fast.inputs import resolve_max_len
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.hf import HFTargetRunner
@@ -116,10 +115,12 @@ def _text_config(info: ModelInfo) -> dict:
     return text_config_dict(info.config)
 
 
-def head_unsupported(info: ModelInfo) -> str | None:
-    """Why the head (final norm, scale, softcap) cannot be derived from this checkpoint's config, or
-    None. Cheap (the config only), so an unknown family is refused before anything is written."""
-    return head_family_error(json.loads(json.dumps(info.config), object_hook=lambda d: SimpleNamespace(**d)))
+def target_head_rules(info: ModelInfo, require_weights: bool = True) -> HeadRules:
+    """The head rules of the checkpoint's family, read from transformers' own modules for it, and,
+    when the weights are there, held to transformers' own logits on them (`head.check_checkpoint_head`:
+    the final norm and a slice of the LM head), so a head eagle_fast would get wrong is refused
+    before anything is written. UserError says what could not be read, or the numbers."""
+    return check_checkpoint_head(info.path) if require_weights else head_rules(auto_config(info.path))
 
 
 def hf_unsupported(info: ModelInfo) -> str | None:
@@ -255,10 +256,8 @@ def resolve_checkpoint(model: str, *, dtype: str = "auto", aux_layers: str | Cal
     if dtype_name not in SHORT_NAMES:
         raise UserError(f"--dtype {dtype!r} is not one of auto, bf16, fp16, fp32", "pick one of them")
     info = load_model_info(model, require_weights)
-    head = head_unsupported(info)
-    if head is not None:
-        raise UserError(head, "pass its head rules through the API (TargetHead overrides), or use a supported "
-                              "family (README's families table)")
+    rules = target_head_rules(info, require_weights)
+    logger.info("head rules: %s", rules.describe())
     aux = aux_layers(info.num_hidden_layers) if callable(aux_layers) else parse_aux_layers(aux_layers,
                                                                                              info.num_hidden_layers)
     return Checkpoint(model=model, info=info, dtype_name=dtype_name, dtype=SHORT_NAMES[dtype_name],
