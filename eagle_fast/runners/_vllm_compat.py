@@ -140,47 +140,47 @@ def check_cpu_connector() -> None:
         )
 
 
-def eagle3_support(
-    architectures: Sequence[str], model_impl: str = "auto"
-) -> tuple[str | None, bool | None]:
-    """Can vLLM's model class for `architectures` output EAGLE-3 aux hidden states?
-
-    Returns `(vLLM class name, supported)`. `supported` is what the worker's own start-up check
-    (`supports_eagle3(model)`, "Model does not support EAGLE3 interface") will answer, or None
-    when it cannot be told here: no architecture is in the registry (vLLM then tries its
-    Transformers backend) or the class fails to import. The registry's per-architecture record
-    (`_ModelInfo`, computed in a subprocess) has no EAGLE-3 field in 0.32 or 0.33, so this imports
-    the model class itself through the registry's `load_model_cls` (milliseconds once vLLM is
-    imported; no weights, no engine, no device work).
-    """
-    from vllm.model_executor.models.interfaces import supports_eagle3
-    from vllm.model_executor.models.registry import ModelRegistry
-
-    archs = ["TransformersForCausalLM"] if model_impl == "transformers" else list(architectures)
-    registered = [arch for arch in archs if arch in ModelRegistry.models]
-    if not registered:
-        return None, None
-    try:  # vLLM serves the first registered architecture
-        model_cls = ModelRegistry.models[registered[0]].load_model_cls()
-    except Exception:  # e.g. a multimodal module needing packages absent here
-        logger.debug("cannot import vLLM's class for %s", registered[0], exc_info=True)
-        return None, None
-    return model_cls.__name__, bool(supports_eagle3(model_cls))
-
-
-def model_class_error(architectures: Sequence[str], model_impl: str = "auto") -> str | None:
-    """Why vLLM's class for `architectures` cannot be imported here (no engine could start), or None."""
+def model_class(architectures: Sequence[str], model_impl: str = "auto") -> tuple[str | None, Any]:
+    """(the registered architecture vLLM serves, its class or the exception importing it raised), or
+    (None, None) where none is registered (vLLM then tries its Transformers backend). Through the
+    registry's `load_model_cls`: milliseconds once vLLM is imported, no weights, no engine."""
     from vllm.model_executor.models.registry import ModelRegistry
 
     registered = [a for a in (["TransformersForCausalLM"] if model_impl == "transformers" else architectures)
                   if a in ModelRegistry.models]
-    try:
-        if registered:
-            ModelRegistry.models[registered[0]].load_model_cls()
-    except Exception as exc:  # noqa: BLE001 -- any import failure stops the engine the same way
-        return (f"vLLM cannot import its model class for {registered[0]} here ({type(exc).__name__}: "
-                f"{str(exc).splitlines()[0][:160]}), so the engine would die at start-up")
-    return None
+    if not registered:
+        return None, None
+    try:  # vLLM serves the first registered architecture
+        return registered[0], ModelRegistry.models[registered[0]].load_model_cls()
+    except Exception as exc:  # noqa: BLE001 -- e.g. a multimodal module needing packages absent here
+        return registered[0], exc
+
+
+def eagle3_support(architectures: Sequence[str], model_impl: str = "auto") -> tuple[str | None, bool | None]:
+    """`(vLLM class name, supported)`: whether vLLM's class for `architectures` outputs EAGLE-3 aux
+    hidden states, as the worker's start-up check (`supports_eagle3`) will answer; None where it cannot
+    be told (`model_class` found no class). The registry's records have no EAGLE-3 field in 0.32/0.33."""
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    _, model_cls = model_class(architectures, model_impl)
+    return (model_cls.__name__, bool(supports_eagle3(model_cls))) if isinstance(model_cls, type) else (None, None)
+
+
+def model_class_error(architectures: Sequence[str], model_impl: str = "auto") -> str | None:
+    """Why vLLM's class for `architectures` cannot be imported here (no engine could start), or None."""
+    arch, model_cls = model_class(architectures, model_impl)
+    if not isinstance(model_cls, Exception):
+        return None
+    return (f"vLLM cannot import its model class for {arch} here ({type(model_cls).__name__}: "
+            f"{str(model_cls).splitlines()[0][:160]}), so the engine would die at start-up")
+
+
+def drops_lm_head(architectures: Sequence[str], model_impl: str = "auto") -> str | None:
+    """The name of vLLM's class for `architectures` when its weights mapper drops `lm_head.weight` (its
+    LM head is then the input embedding: Cohere2-MoE's in 0.32), else None."""
+    _, model_cls = model_class(architectures, model_impl)
+    mapper = getattr(model_cls, "hf_to_vllm_mapper", None)
+    return None if mapper is None or mapper.apply_list(["lm_head.weight"]) else model_cls.__name__
 
 
 def dtype_str(dtype: torch.dtype) -> str:
@@ -352,22 +352,16 @@ def hidden_states_path(output) -> str:
     """`capture_path`, raising when the connector named no file."""
     path = capture_path(output)
     if path is None:
-        params = getattr(output, "kv_transfer_params", None)
-        raise RuntimeError(
-            f"vLLM returned no hidden_states_path for request {getattr(output, 'request_id', '?')} "
-            f"(kv_transfer_params={params!r}); the hidden-states connector did not run"
-        )
+        raise RuntimeError(f"vLLM returned no hidden_states_path for request {getattr(output, 'request_id', '?')} "
+                           f"(kv_transfer_params={getattr(output, 'kv_transfer_params', None)!r}); the "
+                           "hidden-states connector did not run")
     return path
 
 
 def prompt_logprobs(output) -> list[dict[int, float] | None]:
     """vLLM's prompt log-probs: per position t, {token id: logprob} (None at t = 0)."""
-    out: list[dict[int, float] | None] = []
-    for entry in output.prompt_logprobs or []:
-        out.append(
-            None if entry is None else {int(t): float(lp.logprob) for t, lp in entry.items()}
-        )
-    return out
+    return [None if entry is None else {int(t): float(lp.logprob) for t, lp in entry.items()}
+            for entry in output.prompt_logprobs or []]
 
 
 def _wait_written(path: str, timeout_s: float) -> None:

@@ -32,9 +32,11 @@ from eagle_fast.errors import UserError
 from eagle_fast.head import auto_config, check_checkpoint_head
 from eagle_fast.head_rules import HeadRules, head_rules
 from eagle_fast.inputs import resolve_max_len
+from eagle_fast.runners import _vllm_compat as compat
 from eagle_fast.runners.engine_settings import VLLMSettings
 from eagle_fast.runners.hf import HFTargetRunner
-from eagle_fast.runners.vllm import VLLMTargetRunner, capture_unsupported, cpu_bf16_only
+from eagle_fast.runners.vllm import VLLMTargetRunner
+from eagle_fast.runners.vllm_support import capture_unsupported, cpu_bf16_only, cpu_limit
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
                         + ("" if hf else ", or use --engine hf"))
     if info is not None:
 
-        reason = capture_unsupported(info.architectures) or vllm_untied(info)
+        reason = capture_unsupported(info.architectures) or cpu_limit(info.architectures, _text_config(info)) \
+            or vllm_untied(info)
         hf = hf_unsupported(info) if reason is not None else None  # transformers' mappings load Triton: only here
         if hf is not None:  # neither engine can run it: say both, before any write
             raise UserError(f"no engine can run this model here. vLLM: {reason}. transformers: {hf}",
@@ -167,16 +170,21 @@ VLLM_IGNORES_TIE = {"DeepseekForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3F
 
 
 def vllm_untied(info: ModelInfo) -> str | None:
-    """Why vLLM would run this checkpoint with another head than its own, or None: a tied
-    checkpoint (no lm_head.weight) of a family whose vLLM class ignores tying."""
-    arch = next((a for a in info.architectures if a in VLLM_IGNORES_TIE), None)
-    if arch is None or not (_text_config(info).get("tie_word_embeddings") or info.config.get("tie_word_embeddings")):
-        return None
+    """Why vLLM would run this checkpoint with another head than its own, or None: a tied checkpoint
+    (no lm_head.weight) of a family whose vLLM class ignores tying, or an untied one whose vLLM class
+    drops lm_head.weight and runs the embedding as its head (`_vllm_compat.drops_lm_head`)."""
     try:
         names = weight_files(Path(info.path))
     except (OSError, ValueError):  # no weights yet (a dry run): the run itself decides
         return None
-    if any(n.endswith("lm_head.weight") for n in names):
+    has_head = any(n.endswith("lm_head.weight") for n in names)
+    dropping = compat.drops_lm_head(info.architectures) if has_head else None
+    if dropping is not None:
+        return (f"vLLM's {dropping} ignores the checkpoint's lm_head.weight and runs the input embedding as its LM "
+                "head, and this checkpoint's LM head is its own (untied), so the engine would compute other logits")
+    arch = next((a for a in info.architectures if a in VLLM_IGNORES_TIE), None)
+    if arch is None or has_head or not (_text_config(info).get("tie_word_embeddings")
+                                        or info.config.get("tie_word_embeddings")):
         return None
     return (f"vLLM's {arch} ignores tie_word_embeddings, and this checkpoint is tied (no lm_head.weight), so "
             "the engine would run an uninitialised LM head")

