@@ -10,6 +10,9 @@ come three ways, so there are three filters:
 - lines the spawned engine processes write before any logging is set up, or from C++ (LINES):
   a filter process on file descriptor 2, which the children inherit; this process's own
   `sys.stderr` keeps the terminal (tqdm's bar still sees a TTY).
+vLLM's errors (a dying engine's traceback, a hundred lines and more) are held in a file of their
+own (`HeldTracebacks`, `EngineLog`, ENGINE_LOG_ENV): the command's error names their root cause in
+one line (runners/engine_death.py), and any left unread are named when the command ends.
 Only the CLI entry point applies them (`quiet_cli`), for its own process and children, and undoes
 them on return; importing this module changes nothing.
 """
@@ -23,9 +26,12 @@ import re
 import select
 import subprocess
 import sys
+import tempfile
 import warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+
+from eagle_fast.runners.engine_death import ENGINE_LOG_ENV, root_cause
 
 # (category, start of the message, module that warns, why it is hidden)
 WARNINGS = (
@@ -97,6 +103,58 @@ class QuietRecords(logging.Filter):
         return not any(p.match(message) for p in patterns)
 
 
+class HeldTracebacks(logging.Filter):
+    """Keeps vLLM's errors (records at ERROR and up: a dying engine's tracebacks and input dumps) off
+    the terminal while the CLI holds them in the file ENGINE_LOG_ENV names (`EngineLog`); passes
+    everything when it is unset."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and os.environ.get(ENGINE_LOG_ENV))
+
+
+HELD_FORMAT = "%(levelname)s [%(processName)s pid=%(process)d %(filename)s:%(lineno)d] %(message)s"
+
+
+class EngineLog(logging.Handler):
+    """Appends each record to the file ENGINE_LOG_ENV names (vLLM's logging config puts one, at ERROR,
+    in every engine process); `engine_death.engine_died` reads the root cause from it."""
+
+    def __init__(self, level: int = logging.ERROR):
+        super().__init__(level)
+        self.setFormatter(logging.Formatter(HELD_FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        path = os.environ.get(ENGINE_LOG_ENV)
+        if not path:
+            return
+        try:
+            with open(path, "a") as f:
+                f.write(self.format(record) + "\n")
+        except Exception:  # noqa: BLE001 -- logging's contract: a failed record never raises
+            self.handleError(record)
+
+
+@contextmanager
+def _held_tracebacks():
+    """vLLM's errors to a file of their own while the command runs (the root cause of a dead engine's
+    error); any left unread with an exception of their own are named in one line at the end."""
+    fd, path = tempfile.mkstemp(prefix="eagle-fast-engine-", suffix=".log")
+    os.close(fd)
+    try:
+        with _environ({ENGINE_LOG_ENV: path}):
+            yield
+    finally:
+        try:
+            left = Path(path).read_text(errors="replace")
+            os.unlink(path)
+        except OSError:
+            left = ""
+        cause = root_cause(left)  # none: only what a reported death leaves (vLLM's wrappers, input dumps)
+        if cause is not None:
+            count = sum(line.startswith(("ERROR [", "CRITICAL [")) for line in left.splitlines())
+            sys.stderr.write(f"eagle-fast: vLLM logged {count} more error(s), shown with -v: {cause}\n")
+
+
 def quiet_line(line: bytes) -> bool:
     """Whether a stderr line (no line end) is one LINES names; a line of carriage-return updates
     (a progress bar on a terminal) is, when every non-empty update is."""
@@ -120,11 +178,43 @@ def _write_all(fd: int, data: bytes) -> None:
             return
 
 
+_PROCESS_LINE = re.compile(rb"Process [\w.-]+:")
+_TRACEBACK = b"Traceback (most recent call last):"
+
+
+class ProcessTracebacks:
+    """multiprocessing's report of a child process that died of an exception ("Process NAME:", its
+    traceback, the exception line): held in the file ENGINE_LOG_ENV names, with vLLM's errors (a
+    dying EngineCore re-raises its worker's failure so), when that is set. `take(line)` -> the lines
+    to show now."""
+
+    def __init__(self, path: str | None):
+        self.path, self.block = path, []
+
+    def take(self, line: bytes) -> list[bytes]:
+        if not self.path or not (self.block or _PROCESS_LINE.fullmatch(line)):
+            return [line]
+        self.block.append(line)
+        if len(self.block) == 2 and line != _TRACEBACK:  # a line that only looked like one
+            shown, self.block = self.block, []
+            return shown
+        if len(self.block) > 2 and line[:1] not in (b" ", b"\t"):  # the exception line ends it
+            block, self.block = self.block, []
+            try:
+                with open(self.path, "ab") as f:
+                    f.write(b"ERROR [" + block[0].rstrip(b":") + b" exited]\n" + b"\n".join(block[1:]) + b"\n")
+            except OSError:
+                return block
+        return []
+
+
 def copy_quietly(source: int = 0, sink: int = 1) -> None:
     """Copy `source` to `sink` line by line, leaving out the lines LINES names (and a blank line
-    right after one), until every writer has closed `source`. A partial line is copied once
-    nothing more came for IDLE_S, unless it already matches (a progress bar on a terminal)."""
+    right after one), and the tracebacks `ProcessTracebacks` holds, until every writer has closed
+    `source`. A partial line is copied once nothing more came for IDLE_S, unless it already matches
+    (a progress bar on a terminal)."""
     pending, dropped = b"", False
+    held = ProcessTracebacks(os.environ.get(ENGINE_LOG_ENV))
     while True:
         if pending and not select.select([source], [], [], IDLE_S)[0]:
             if not quiet_line(pending):
@@ -141,12 +231,14 @@ def copy_quietly(source: int = 0, sink: int = 1) -> None:
                 dropped = True
                 continue
             dropped = False
-            out.append(line + b"\n")
+            out += [shown + b"\n" for shown in held.take(line)]
         updates, cr, rest = pending.rpartition(b"\r")
         if cr and not quiet_line(updates):  # a progress bar's updates, shown as they come
             out.append(updates + cr)
             pending = rest
         _write_all(sink, b"".join(out))
+    if held.block:  # the stream ended inside one: show what there was
+        _write_all(sink, b"\n".join(held.block) + b"\n")
     if pending and not quiet_line(pending):
         _write_all(sink, pending)
 
@@ -260,5 +352,6 @@ def quiet_cli(verbose: bool, model_bars: bool = True):
         stack.enter_context(_record_filters())
         if model_bars:
             stack.enter_context(_transformers_bars_off())
+        stack.enter_context(_held_tracebacks())
         stack.enter_context(_filter_fd2())
         yield

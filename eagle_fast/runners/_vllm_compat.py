@@ -183,6 +183,12 @@ def drops_lm_head(architectures: Sequence[str], model_impl: str = "auto") -> str
     return None if mapper is None or mapper.apply_list(["lm_head.weight"]) else model_cls.__name__
 
 
+def is_engine_death(exc: BaseException) -> bool:
+    """Whether `exc` is vLLM saying its engine died (at start-up or mid-run; the cause is in its log)."""
+    return type(exc).__name__ == "EngineDeadError" or (
+        isinstance(exc, RuntimeError) and str(exc).startswith("Engine core initialization failed"))
+
+
 def dtype_str(dtype: torch.dtype) -> str:
     return _VLLM_DTYPE[dtype]
 

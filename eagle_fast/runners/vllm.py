@@ -16,6 +16,8 @@ Design points:
   `VLLM_CPU_KVCACHE_SPACE` sets it; on GPU `gpu_memory_utilization` defaults to 0.5 (NeMo's).
 - `build` refuses a family whose vLLM model class has no EAGLE-3 aux outputs (Gemma-2/3 in 0.32,
   0.33) before any engine starts (`capture_unsupported`); the engine would die at start-up.
+- An engine that dies anyway (start-up or mid-run) raises `engine_death.EngineDied`, a UserError
+  with the root cause where the CLI held its log, after its shared memory is released.
 - `close()` shuts the engine's processes down, reaps them (no zombie EngineCore when vLLM had to
   SIGKILL it), and removes the temp dir. A runner killed first (SIGKILL) leaves its dir; the next
   engine start on the machine removes the dirs whose owner is gone (`sweep_orphaned_storage`).
@@ -62,6 +64,7 @@ from eagle_fast.runners.captures import (
     supervision_bytes_per_token,
     sweep_orphaned_storage,
 )
+from eagle_fast.runners.engine_death import engine_died, release_orphaned_shm, shm_names
 from eagle_fast.runners.vllm_support import (
     HF_ENGINE_FIX,
     capture_unsupported,
@@ -311,6 +314,7 @@ class VLLMTargetRunner(RunnerBase):
         sweep_orphaned_storage(parent)
         self._storage = tempfile.mkdtemp(prefix=storage_prefix(), dir=parent)
         self._storage_finalizer = weakref.finalize(self, shutil.rmtree, self._storage, True)
+        self._shm_before, self._dead = shm_names(), False
         try:
             self._llm = compat.build_llm(self._engine_kwargs(capture_ids, aux_slots, final_slot))
             self._capture_ids = list(capture_ids)
@@ -318,8 +322,11 @@ class VLLMTargetRunner(RunnerBase):
             engine_dtype = compat.engine_dtype(self._llm)
             if engine_dtype != self.dtype:
                 raise RuntimeError(f"vLLM runs the target in {engine_dtype}, expected {self.dtype}")
-        except BaseException:
+        except BaseException as exc:
+            self._dead = compat.is_engine_death(exc)
             self._stop_engine()
+            if self._dead:
+                raise engine_died(exc, self.vllm_version, "start-up") from exc
             raise
         logger.info(
             "vLLM extract_hidden_states engine up: capture ids %s, storage %s",
@@ -341,6 +348,9 @@ class VLLMTargetRunner(RunnerBase):
             self._storage_finalizer()  # removes the dir (and anything a dead engine left in it)
             self._storage_finalizer = None
         self._storage = None
+        if getattr(self, "_dead", False):  # its processes are gone, its shared memory is not
+            release_orphaned_shm(self._shm_before)
+            self._dead = False
 
     def _release(self) -> None:
         self._stop_engine()
@@ -371,7 +381,13 @@ class VLLMTargetRunner(RunnerBase):
 
     def _engine_call(self, sequences: list[list[int]], prompt_logprobs: int | None = None) -> list:
         self._check_room(sequences)
-        outputs = compat.generate(self._llm, sequences, prompt_logprobs=prompt_logprobs)
+        try:
+            outputs = compat.generate(self._llm, sequences, prompt_logprobs=prompt_logprobs)
+        except Exception as exc:
+            self._dead = compat.is_engine_death(exc)
+            if self._dead:  # close() releases what it left
+                raise engine_died(exc, self.vllm_version, "a run") from exc
+            raise
         if len(outputs) != len(sequences):
             self._discard_outputs(sequences, outputs)
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(sequences)} prompts")
