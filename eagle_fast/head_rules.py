@@ -288,17 +288,24 @@ def decoder_output_class():
 
 def _run_forward(model: nn.Module, decoder_path: str, states: torch.Tensor, norm: nn.Module | None,
                  lm_head: nn.Linear) -> torch.Tensor:
-    """`model`'s own forward with its decoder replaced by `FixedStates` and its LM head by `lm_head`:
-    fp32 logits [N, rows of lm_head]. `model` is a meta-device copy; it is changed."""
+    """`model`'s own forward with its decoder replaced by `FixedStates` and its LM head by `lm_head`,
+    both put back after: fp32 logits [N, rows of lm_head]. `model` may be on the meta device."""
     head_path = _path_of(model, model.get_output_embeddings())  # before the decoder goes (it asks it)
-    setattr(model, decoder_path.split(".")[0], FixedStates(states, norm))
+    top = decoder_path.split(".")[0]
     owner = model.get_submodule(head_path.rpartition(".")[0]) if "." in head_path else model
-    setattr(owner, head_path.rpartition(".")[2], lm_head)
-    kwargs = {"input_ids": torch.zeros(1, states.shape[0], dtype=torch.long)}
+    leaf = head_path.rpartition(".")[2]
+    decoder, head = getattr(model, top), getattr(owner, leaf)
     params = inspect.signature(model.forward).parameters
-    kwargs.update({k: False for k in ("use_cache", "output_router_logits") if k in params})
-    with torch.no_grad():
-        return model(**kwargs).logits.reshape(states.shape[0], -1).float()
+    kwargs = {"input_ids": torch.zeros(1, states.shape[0], dtype=torch.long),
+              **{k: False for k in ("use_cache", "output_router_logits") if k in params}}
+    setattr(model, top, FixedStates(states, norm))
+    setattr(owner, leaf, lm_head)
+    try:
+        with torch.no_grad():
+            return model(**kwargs).logits.reshape(states.shape[0], -1).float()
+    finally:
+        setattr(owner, leaf, head)
+        setattr(model, top, decoder)
 
 
 def _linear(weight: torch.Tensor) -> nn.Linear:
@@ -321,17 +328,16 @@ def _snap(value: float, config: Any, words: tuple[str, ...]) -> float:
 
 
 def classify_logits(config: Any, meta_model: nn.Module) -> tuple[float, float | None]:
-    """(logit scale, softcap) of the family's forward (`meta_model`, left unchanged): raw logits
-    near 0 give the scale, raw logits far past any softcap the cap."""
+    """(logit scale, softcap) of the family's forward (`meta_model`'s): raw logits near 0 give the
+    scale, raw logits far past any softcap the cap."""
     hidden = meta_model.get_output_embeddings().weight.shape[1]
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(64, hidden, generator=g) / math.sqrt(hidden)
     states = torch.randn(32, hidden, generator=g)
     raws, outs = [], []
+    path = head_modules(meta_model)[1]
     for size in (1e-3, 1e3):  # |raw| ~ 1e-3 (linear everywhere) and ~ 1e3 (capped, if capped at all)
-        model = copy.deepcopy(meta_model)
-        path = head_modules(model)[1]
-        outs.append(_run_forward(model, path, states * size, None, _linear(weight)))
+        outs.append(_run_forward(meta_model, path, states * size, None, _linear(weight)))
         raws.append((states * size) @ weight.T)
     scale = float((outs[0] * raws[0]).sum() / raws[0].pow(2).sum())
     scale = 1.0 if abs(scale - 1.0) < 1e-6 else _snap(scale, config, ("scal", "logit", "multiplier"))

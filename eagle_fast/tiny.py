@@ -117,6 +117,39 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
                     {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 128,
                      "interleave_moe_layer_step": 1, "attention_chunk_size": 128}),
+    # Families eagle_fast names nowhere else: their head rules are derived from transformers' own
+    # modules (head_rules.py). MoE ones at a few small experts, two per token. Where vLLM reads a
+    # config key that transformers' class does not define, the released checkpoints' value is set.
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   {"num_local_experts": 4, "num_experts_per_tok": 2, "rotary_dim": 16, "scoring_func": "sigmoid",
+                    "use_routing_bias": True}),
+    # Nemotron-H: Mamba-2, MoE, attention and MLP layers; its decoder names its norm `norm_f`, its
+    # embedding `embeddings`
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   {"layers_block_type": ["mamba", "moe", "attention", "mlp"], "mamba_num_heads": 4,
+                    "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1, "chunk_size": 16,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                    "moe_shared_expert_intermediate_size": 64, "layer_norm_epsilon": 1e-5}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM",
+              {"num_experts": 4, "num_experts_per_tok": 2, "num_shared_experts": 1, "moe_intermediate_size": 64,
+               "num_dense_layers": 1, "global_attn_every_n_layers": 2, "sliding_window": 128,
+               "score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1}),
+    # Cohere2-MoE as released: a mean-centred LayerNorm head (no rms_norm_eps), logits times logit_scale
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM",
+                    {"num_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": None, "layer_norm_eps": 1e-5,
+                     "logit_scale": 0.25, "sliding_window": 128, "sliding_window_pattern": 2}),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 64,
+                  "first_k_dense_replace": 1}),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": 128}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     {"moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1, "moe_intermediate_size": 64,
+                      "moe_layer_start_index": 1}),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {"num_experts": 4, "moe_topk": 2}),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": 128, "sliding_window_pattern": 2}),
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", {}),
 }
 
 

