@@ -97,6 +97,7 @@ def speculators_config(where: str, kind: str, cfg: dict[str, Any]) -> tuple[str,
         archs = [a for a in cfg.get("architectures") or [] if a in DSPARK_HEADS]
         return (archs or ["Qwen3DSparkModel"])[0], layer
     layer["dflash_config"] = {"mask_token_id": cfg["mask_token_id"], "target_layer_ids": [int(i) - 1 for i in aux],
+                              "sample_from_anchor": cfg.get("sample_from_anchor", False),
                               "causal": not cfg.get("sliding_window_non_causal", True)}
     return ("DFlash2DraftModel" if kind == "dflash2" else "DFlashDraftModel"), layer
 
