@@ -66,6 +66,7 @@ def plan_method(method: str, draft: str | None, model: str, dtype: str, k: int,
     """Everything `accept` sets for `method`, or a UserError naming what vLLM would refuse."""
     if method not in METHODS:
         raise UserError(f"--method {method!r} is not one of {', '.join(METHODS)}", "pick one of them (vLLM's names)")
+    generation.vllm_version()  # a UserError where no vLLM is installed
     info = load_model_info(model, require_weights=False)
     on_cpu = generation.on_cpu()
     if method == "mtp":
