@@ -53,8 +53,8 @@ test-avx2: $(STAMP)
 	  $(BIN)/python -m pytest -q $(ISA_TESTS)
 
 # pytest-benchmark over bench/bench_*.py (bench/run.py), then bench/RESULTS.md and the plots from
-# bench/results/*.json; see bench/README.md. About 55 minutes on 2 cores, 21 of them the
-# acceptance benchmark: the sum of the per-module wall times in bench/run.py (SECONDS, from the
+# bench/results/*.json; see bench/README.md. About 75 minutes on 2 cores, 21 of them the
+# acceptance benchmark and 20 the draft-types one: the sum of the per-module wall times in bench/run.py (SECONDS, from the
 # recorded results), not a timed whole run.
 bench: $(STAMP)
 	$(BIN)/python bench/run.py
