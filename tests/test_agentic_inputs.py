@@ -202,22 +202,30 @@ def test_llama3_masks_equal_the_oracle_and_parallel_calls_fail_their_line(tmp_pa
 
 def test_gpt_oss_masks_equal_the_oracle_with_reasoning_and_calls(tmp_path):
     """gpt-oss's template as it ships (harmony): an assistant turn is all it writes after
-    `<|start|>assistant`: its analysis (the last turn's only: earlier reasoning is dropped), its
-    call to=functions.NAME ... <|call|>, its final message and <|end|> / <|return|>. The tool
-    result's header names the call, and is not the assistant's."""
+    `<|start|>assistant`: its analysis (the last turn's, and a call's while no final message
+    follows it: earlier reasoning is dropped), its call to=functions.NAME ... <|call|>, its final
+    message and <|end|> / <|return|>. The tool result's header names the call, and is not the
+    assistant's."""
     tok = tokenizer("gpt_oss", tmp_path)
     chat = ChatFormat(template=shipped("gpt_oss"))
     msgs = [dict(m) for m in AGENTIC]
     msgs[2]["reasoning_content"] = "I should look it up."
     msgs[4]["reasoning_content"] = "Report it."
     msgs[6]["reasoning_content"] = "Be polite."
-    msgs[2]["tool_calls"] = [call("Paris", True), call("Rome")]  # the template writes the first call only
     rec = _rec({"tools": TOOLS, "messages": msgs})
     ids, mask = tokenize_record(rec, tok, "data.jsonl", chat)
     assert (ids, mask) == oracle_mask(tok, for_template(rec.value, chat.template), oracle("gpt_oss"), tools=TOOLS)
     supervised = tok.decode([t for t, m in zip(ids, mask) if m])
-    assert ('<|channel|>analysis<|message|>I should look it up.<|end|><|start|>assistant to=functions.get_weather'
-            '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in supervised
+    assert ('<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant to=functions.get_weather'
+            '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in tok.decode(ids)
+    assert ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in supervised
+    assert "I should look it up." not in tok.decode(ids)  # a final message follows the call
     assert "Report it." not in supervised and "<|channel|>final<|message|>It is sunny, 21C.<|end|>" in supervised
     assert "Be polite.<|end|><|start|>assistant<|channel|>final<|message|>You are welcome.<|return|>" in supervised
     assert "Sunny" not in supervised and "functions.get_weather to=assistant" not in supervised
+    # a chat that ends at the call: its analysis is written, and is the assistant's
+    rec = _rec({"tools": TOOLS, "messages": msgs[:3]})
+    ids, mask = tokenize_record(rec, tok, "data.jsonl", chat)
+    assert (ids, mask) == oracle_mask(tok, for_template(rec.value, chat.template), oracle("gpt_oss"), tools=TOOLS)
+    assert ('<|channel|>analysis<|message|>I should look it up.<|end|><|start|>assistant to=functions.get_weather'
+            '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in tok.decode([t for t, m in zip(ids, mask) if m])
