@@ -1,4 +1,4 @@
-"""Agentic rows (issue 46, the input side): a row's `tools`, OpenAI tool calls (null content,
+"""Agentic rows, the input side: a row's `tools`, OpenAI tool calls (null content,
 JSON-string arguments), tool results with text parts, LLaMA-Factory's ShareGPT
 `function_call` / `observation` turns, through `inputs` and the chat masks.
 
@@ -39,7 +39,7 @@ OPENAI = {"tools": TOOLS, "messages": [
     {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Sunny, 21C"}]},
     {"role": "tool", "tool_call_id": "c2", "content": "Rain, 14C"},
     {"role": "assistant", "content": "Paris is sunny; Rome is rainy."}]}
-SHAREGPT = {"tools": json.dumps(TOOLS), "conversations": [
+SHAREGPT = {"tools": json.dumps([t["function"] for t in TOOLS]), "conversations": [  # bare schemas, LLaMA-Factory's
     {"from": "human", "value": "Weather in Paris and Rome?"},
     {"from": "function_call", "value": json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}},
                                                    {"name": "get_weather", "arguments": {"city": "Rome"}}])},
@@ -107,6 +107,10 @@ def test_string_and_object_arguments_render_alike(qwen):
     (lambda o: o["messages"][0].update(tool_calls=[call("x")]), r"message 1 \(user\) has tool_calls"),
     (lambda o: o.update(tools="not json"), r'"tools" is a string that is not JSON'),
     (lambda o: o.update(tools=[1]), r'"tools" must be a list of function schemas'),
+    (lambda o: o.update(tools=[TOOLS[0], {"description": "no name"}]), r'"tools" item 2 has no function name'),
+    (lambda o: o.update(tools=[{"type": "web_search"}]), r"\"tools\" item 1 is a 'web_search' tool, not a function"),
+    (lambda o: o.update(tools=json.dumps([{"name": "f", "parameters": "city"}])),
+     r'"tools" item 1 \(f\): "parameters" must be a JSON schema object'),
     (lambda o: o["messages"][2].update(content=[{"type": "image_url"}]), r"message 3 has image_url parts: eagle_fast extracts text chats only"),
     (lambda o: o["messages"][2].update(content=[{"type": "table"}]), r"message 3 has no string \"content\""),
 ])
@@ -115,6 +119,24 @@ def test_a_malformed_call_or_schema_fails_its_line(edit, match):
     edit(obj)
     with pytest.raises(UserError, match=rf"data.jsonl:7: {match}"):
         _rec(obj, line=7)
+
+
+def test_tools_in_every_form_are_read_as_openai_wraps_them():
+    bare = [t["function"] for t in TOOLS]
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's form
+    for tools in (TOOLS, json.dumps(TOOLS), bare, json.dumps(bare), bare[0], flat):
+        assert _rec({**OPENAI, "tools": tools}).tools == TOOLS, tools
+
+
+def test_sharegpt_system_column_is_the_system_message():
+    rec = _rec({**SHAREGPT, "system": "Be brief."})
+    assert rec.value[0] == {"role": "system", "content": "Be brief."} and rec.value[1]["role"] == "user"
+    with pytest.raises(UserError, match=r'data.jsonl:2: "system" must be a string, got list'):
+        _rec({**SHAREGPT, "system": ["Be brief."]}, line=2)
+    both = {**SHAREGPT, "system": "Be brief.",
+            "conversations": [{"from": "system", "value": "Hi"}, *SHAREGPT["conversations"]]}
+    with pytest.raises(UserError, match=r'data.jsonl:3: the row has a "system" column and a system message'):
+        _rec(both, line=3)
 
 
 def test_sharegpt_function_call_must_be_json():
