@@ -69,6 +69,9 @@ def _tool_calls(path: str, line: int, i: int, calls: Any) -> list[dict]:
                                 "function": {"name": name, "arguments": _arguments(
                                     path, line, f"message {i}, call {j} ({name})", fn.get("arguments"))}}
         if call.get("id") is not None:
+            if not isinstance(call["id"], str) or not call["id"]:
+                raise bad_line(path, line, f"message {i}, call {j} ({name}): its id must be a non-empty string",
+                               "give the call's id as a string, or leave it out")
             norm["id"] = call["id"]
         out.append(norm)
     return out
@@ -140,6 +143,9 @@ def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dic
             msg["content"] = content
         for extra in ("name", "tool_call_id"):
             if not sharegpt and m.get(extra) is not None:  # a table's message structs hold nulls
+                if not isinstance(m[extra], str):
+                    raise bad_line(path, line, f'message {i}: "{extra}" must be a string, got {type(m[extra]).__name__}',
+                                   f'give "{extra}" as a string, or leave it out')
                 msg[extra] = m[extra]
         given = {name: m[name] for name in REASONING_FIELDS if m.get(name) is not None}
         if given:
