@@ -24,6 +24,7 @@ $(STAMP): $(LOCK) pyproject.toml requirements/templates.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r $(LOCK)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	-$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	@rm -f $(VENV)/wheels/xinference-*.whl  # the templates' earlier source
 	$(BIN)/python -m pip download -q --disable-pip-version-check --no-deps -r requirements/templates.txt -d $(VENV)/wheels
 	@# the CPU head's compiled walk (kernels/csrc), built ahead into its per-user cache
 	$(BIN)/python -c "from eagle_fast.kernels._native import report; print(report())"
