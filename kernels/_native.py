@@ -81,6 +81,12 @@ SEGMENTS = 64
 # group (kept in the last-level cache while every chunk sweeps it).
 CHUNK_BYTES = 1536 << 10
 GROUP_BYTES = 8 << 20
+# Pass 2 recomputes the draft logits (AMX: as measured there) or pass 1 stores them (AVX512-BF16:
+# pass 2's recompute cost more than its output's bytes on the EPYC).
+RECOMPUTES = {"amx": True, "avx512-bf16": False}
+# A bf16 output's fp32 scratch: pass 1 stores a group of tokens' draft logits there (32 MiB: 256
+# tokens at a 32k draft, so the walk re-reads W once per 256 tokens).
+SCRATCH_BYTES = 32 << 20
 
 
 def switched(on: bool) -> contextlib.AbstractContextManager:
@@ -156,8 +162,10 @@ def library() -> ctypes.CDLL | None:
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ef_amx_init.argtypes, lib.ef_amx_init.restype = [], i
     lib.ef_pack_y.argtypes, lib.ef_pack_y.restype = [p, i64, i64, i64, p], None
-    lib.ef_draft_argmax.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, p, p, i, i]
+    lib.ef_draft_argmax.argtypes = [p, i64, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, p, p, p, i64, i, i]
     lib.ef_draft_argmax.restype = i
+    lib.ef_draft_fix.argtypes = [p, i64, i64, i64, p, p, i64, i, i]
+    lib.ef_draft_fix.restype = i
     lib.ef_draft_out.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i, i64, i, i]
     lib.ef_draft_out.restype = i
     return lib
@@ -202,7 +210,7 @@ def serves(outputs, k: int, weight: torch.Tensor, logit_scale: float = 1.0, soft
 
 def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor, y_norm: torch.Tensor,
                  w_norm_max: float, threads: int | None = None, lse: bool = False,
-                 out_dtype: torch.dtype = torch.float32
+                 out_dtype: torch.dtype = torch.float32, recompute: bool | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """`(draft_logprobs [N, Vd] out_dtype, argmax int64 [N], lse fp32 [N] or None)`, or None
     (nothing done) where the logits are not provably finite.
@@ -212,59 +220,91 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     (`_torch_screen.norm_upper`). `lse`: the full-vocabulary logsumexp too (an exp of every
     logit, in the same pass). The draft log-probs are the fp32 draft logits minus their
     logsumexp, rounded once to out_dtype. threads: torch's count for the calling thread by
-    default; the bytes do not depend on it. RuntimeError where `kind()` is None.
+    default; the bytes do not depend on it. `recompute`: pass 2 recomputes the draft logits
+    (True) or pass 1 stores them (False); the same bytes either way; None: the variant's way
+    (`RECOMPUTES`). RuntimeError where `kind()` is None.
     """
     which = kind()
     if which is None:
         raise RuntimeError(f"draft_argmax: {report()}")
     amx = which == "amx"
+    recompute = RECOMPUTES[which] if recompute is None else recompute
     N, H = y.shape
-    V = weight.shape[0]
     Vd = draft_ids.numel()
     y_max = float(y_norm.max())
     if not (math.isfinite(y_max) and math.isfinite(w_norm_max) and y_max * w_norm_max < 2.0**120):
         return None
     lib = library()
     threads = threads or torch.get_num_threads()
-    KB = H // 32
-    # pass 1: argmax, draft lse (and the full lse) over the whole vocabulary
-    yp = torch.empty(_round_up(N, 16) // 16 * KB * 256, dtype=torch.int32)
+    yp = torch.empty(_round_up(N, 16) // 16 * (H // 32) * 256, dtype=torch.int32)
     lib.ef_pack_y(y.data_ptr(), N, H, y.stride(0), yp.data_ptr())
+    ids = draft_ids.to(torch.int64).contiguous()
+    direct = out_dtype in (torch.float32, torch.bfloat16)
+    if recompute:
+        # pass 1: argmax, draft lse (and the full lse) over the whole vocabulary
+        argmax, draft_lse, full_lse = _pass1(weight, yp, 0, N, ids, lse, None, threads, amx)
+        del yp  # before pass 2's output exists
+        # pass 2: the draft columns again, minus their lse, rounded once, written row by row
+        wdp = packed_draft(weight, ids)
+        out = empty_huge((N, Vd), out_dtype if direct else torch.float32)
+        cols = max(32, min(_round_up(Vd, 32), CHUNK_BYTES // (2 * H) // 32 * 32))
+        rc = lib.ef_draft_out(y.data_ptr(), y.stride(0), N, H, wdp.data_ptr(), Vd, draft_lse.data_ptr(),
+                              out.data_ptr(), out.stride(0), int(out_dtype == torch.bfloat16), cols, threads,
+                              int(amx))
+        if rc == -2:
+            raise MemoryError("the compiled head walk (pass 2) ran out of memory for its scratch")
+        return (out if direct else out.to(out_dtype)), argmax, full_lse
+    # pass 1 stores the draft logits where pass 2 finds them: in the fp32 output itself, or, for
+    # a bf16 output, in an fp32 scratch of a group of tokens at a time (SCRATCH_BYTES)
+    out = empty_huge((N, Vd), out_dtype if direct else torch.float32)
+    bf16 = out.dtype == torch.bfloat16
+    rows = max(32, SCRATCH_BYTES // (4 * Vd) // 32 * 32) if bf16 else N
+    scratch = torch.empty(min(rows, N), Vd) if bf16 else out
+    argmax = torch.empty(N, dtype=torch.int64)
+    full_lse = torch.empty(N) if lse else None
+    for t0 in range(0, N, rows):
+        n = min(rows, N - t0)
+        logits = scratch if bf16 else out[t0:]
+        got = _pass1(weight, yp, t0, n, ids, lse, logits, threads, amx)
+        argmax[t0:t0 + n] = got[0]
+        if lse:
+            full_lse[t0:t0 + n] = got[2]
+        # pass 2: the stored logits minus their lse, rounded once
+        lib.ef_draft_fix(logits.data_ptr(), Vd, n, Vd, got[1].data_ptr(), out[t0:].data_ptr(), Vd, int(bf16),
+                         threads)
+    return (out if direct else out.to(out_dtype)), argmax, full_lse
+
+
+def _pass1(weight: torch.Tensor, yp: torch.Tensor, t0: int, n: int, ids: torch.Tensor, lse: bool,
+           logits: torch.Tensor | None, threads: int, amx: bool):
+    """Pass 1 over tokens [t0, t0 + n) of the packed y (t0 a multiple of 32): `(argmax int64 [n],
+    draft lse fp32 [n], full lse fp32 [n] or None)`; with `logits` (fp32 [n, Vd] rows, contiguous
+    from its first), their draft logits stored there."""
+    V, H = weight.shape
     seg = _round_up(_round_up(V, SEGMENTS) // SEGMENTS, 32)
     nseg = _round_up(V, seg) // seg
     chunk = max(32, min(seg, CHUNK_BYTES // (2 * H) // 32 * 32))
     group = max(32, GROUP_BYTES // (2 * H) // 32 * 32)
-    n_pad = _round_up(N, 32)
+    n_pad = _round_up(n, 32)
     best = torch.full((nseg, n_pad), -math.inf)
     dmax = torch.full((nseg, n_pad), -math.inf)
     arg = torch.zeros(nseg, n_pad, dtype=torch.int32)
     dsum = torch.zeros(nseg, n_pad, dtype=torch.float64)
     asum = torch.zeros(nseg, n_pad, dtype=torch.float64) if lse else None
-    ids = draft_ids.to(torch.int64).contiguous()
-    rc = lib.ef_draft_argmax(weight.data_ptr(), weight.stride(0), V, H, yp.data_ptr(), N, ids.data_ptr(), Vd,
-                             seg, chunk, group, best.data_ptr(), arg.data_ptr(), dmax.data_ptr(), dsum.data_ptr(),
-                             None if asum is None else asum.data_ptr(), threads, int(amx))
+    rc = library().ef_draft_argmax(
+        weight.data_ptr(), weight.stride(0), V, H, yp.data_ptr() + t0 // 16 * (H // 32) * 256 * 4, n, ids.data_ptr(),
+        ids.numel(), seg, chunk, group, best.data_ptr(), arg.data_ptr(), dmax.data_ptr(), dsum.data_ptr(),
+        None if asum is None else asum.data_ptr(), None if logits is None else logits.data_ptr(),
+        0 if logits is None else logits.stride(0), threads, int(amx))
     if rc == -2:
         raise MemoryError("the compiled head walk (pass 1) ran out of memory for its scratch")
-    del yp
-    best, arg, dmax, dsum = best[:, :N], arg[:, :N], dmax[:, :N], dsum[:, :N]
+    best, arg, dmax, dsum = best[:, :n], arg[:, :n], dmax[:, :n], dsum[:, :n]
     # Merge the segments in order: the first segment holding the max has the lowest id.
     top = best.max(0).values
     first = torch.where(best == top, torch.arange(nseg)[:, None], nseg).min(0).values
     argmax = arg.gather(0, first[None]).squeeze(0).long()
-    full_lse = None if asum is None else _merged_lse(best, asum[:, :N])
-    draft_lse = _merged_lse(dmax, dsum)
-    del best, arg, dmax, dsum, asum, top, first  # pass 1's statistics, before pass 2's output exists
-    # pass 2: the draft columns again, minus their lse, rounded once, written row by row
-    wdp = packed_draft(weight, ids)
-    direct = out_dtype in (torch.float32, torch.bfloat16)
-    out = empty_huge((N, Vd), out_dtype if direct else torch.float32)
-    cols = max(32, min(_round_up(Vd, 32), CHUNK_BYTES // (2 * H) // 32 * 32))
-    rc = lib.ef_draft_out(y.data_ptr(), y.stride(0), N, H, wdp.data_ptr(), Vd, draft_lse.data_ptr(),
-                          out.data_ptr(), out.stride(0), int(out_dtype == torch.bfloat16), cols, threads, int(amx))
-    if rc == -2:
-        raise MemoryError("the compiled head walk (pass 2) ran out of memory for its scratch")
-    return (out if direct else out.to(out_dtype)), argmax, full_lse
+    full_lse = None if asum is None else _merged_lse(best, asum[:, :n])
+    return argmax, _merged_lse(dmax, dsum), full_lse
 
 
 # The draft rows of the weights walked lately, packed for pass 2 (bf16, Vd x H: a fifth of the
