@@ -148,6 +148,24 @@ def test_same_bytes_run_to_run_and_for_any_thread_count():
         assert torch.equal(a[0], b[150])
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_stored_and_recomputed_draft_logits_give_the_same_bytes(out_dtype, monkeypatch):
+    """Pass 2 either recomputes the draft logits or reads those pass 1 stored (a bf16 output's
+    scratch holds a group of tokens at a time: here 64, so the call takes several groups)."""
+    need_walk()
+    from eagle_fast.kernels._torch_screen import norm_upper
+
+    hidden, weight, _, ids = _inputs(150, 96, 2500, 700, seed=19)
+    monkeypatch.setattr(_native, "SCRATCH_BYTES", 64 * 4 * ids.numel())
+    y_norm, w_max = norm_upper(hidden), float(norm_upper(weight).max())
+    got = [_native.draft_argmax(hidden, weight, ids, y_norm, w_max, threads=t, lse=True, out_dtype=out_dtype,
+                                recompute=r) for r, t in ((True, 1), (False, 2))]
+    (logprobs, argmax, lse), (logprobs2, argmax2, lse2) = got
+    assert logprobs.dtype == out_dtype
+    assert torch.equal(logprobs.view(torch.uint8), logprobs2.view(torch.uint8))
+    assert torch.equal(argmax, argmax2) and torch.equal(lse.view(torch.int32), lse2.view(torch.int32))
+
+
 def test_falls_back_where_it_cannot_promise_finite_logits():
     hidden, weight, norm_weight, ids = _inputs(40, 64, 600, 100, seed=2)
     weight = weight.clone()
