@@ -2,16 +2,18 @@
 
 What it does
     `draft_argmax(y, weight, draft_ids, ...)` is `lm_head_torch`'s ("draft", "argmax") and
-    ("draft", "lse") on CPUs with AMX, in two passes of AMX tiles (bf16 products, fp32 sums):
+    ("draft", "lse") on CPUs with AMX or AVX512-BF16, in two passes (bf16 products, fp32 sums):
     pass 1 walks the whole vocabulary once and keeps, per token, the argmax, the draft
-    logsumexp and (asked for) the full one; pass 2 recomputes the draft columns (the same
-    logits, bit for bit) and writes `logit - draft lse` rounded once to the output dtype. No
-    [N, V] buffer and no fp32 [N, Vd] buffer ever exist.
+    logsumexp and (asked for) the full one; pass 2 writes `logit - draft lse` rounded once to
+    the output dtype, from the draft logits recomputed (AMX: the same logits, bit for bit) or
+    stored by pass 1 (AVX512-BF16: in the fp32 output itself, or a bounded fp32 scratch of a
+    group of tokens for a bf16 one). No [N, V] buffer and no fp32 [N, Vd] buffer beside the
+    output ever exist.
 
 Design
     PyTorch's fastest CPU GEMM (oneDNN, bf16 output) rounds logits to bf16, and its only
-    fp32-output bf16 GEMM (MKL's) runs at the fp32 rate, 2-2.5x slower on AMX; a fused kernel
-    with fp32 accumulators has neither cost and reduces while the tile is in cache. The C
+    fp32-output bf16 GEMM (MKL's) runs at the fp32 rate, 2-2.5x slower; a fused kernel with
+    fp32 accumulators has neither cost and reduces while the tile is in cache. The C
     source ships in the package and is compiled on first use with the system C compiler (`cc`,
     or $CC) into a per-user cache (`cache_dir()`), keyed by the source, the compiler and the
     flags; `report()` builds it ahead (`make venv` calls it). It links
@@ -23,23 +25,21 @@ Design
 Bit-identity
     Every logit is summed in an order fixed by H; the vocabulary is cut into segments fixed by
     V alone, whose per-token statistics are merged in segment order. So a call's bytes are the
-    same run to run and for any thread count. They differ from the MKL-based walk's by the
-    fp32 summation order (a few ulps of the logits), within the oracle's tolerance.
+    same run to run, for any thread count, and whether pass 2 recomputes or reads the logits.
+    They differ from the MKL-based walk's by the fp32 summation order (a few ulps of the
+    logits), within the oracle's tolerance, and the two variants from each other likewise.
 
 Variants
-    "amx" (the default, on CPUs with AMX) and "avx512-bf16" (the same walk with VDPBF16PS, for
-    CPUs with AVX512-BF16 and no AMX such as AMD EPYC Zen 4): opt-in (EAGLE_FAST_CPU_NATIVE=
-    avx512-bf16, or `variant(...)`), and slow as written: on the Xeon with AMX it takes 3.6 s /
-    3.4 s at the floor shapes, twice MKL's fp32 GEMM of the same columns
-    (`EAGLE_FAST_CPU_NATIVE=avx512-bf16 python bench/bench_floors.py`), so it is no candidate for
-    a default until its block kernel (8 weight-pair broadcasts per 16 VDPBF16PS) is widened and a
-    CPU without AMX measures it against its floor. The tests run both variants wherever either
-    runs, so its bytes and bounds hold.
+    "amx" (TDPBF16PS tiles; the default on CPUs with AMX) and "avx512-bf16" (VDPBF16PS, 16
+    accumulators per 8 rows; the default on CPUs with AVX512-BF16 and no AMX such as AMD EPYC
+    Zen 4, where it runs at the floor's rate: bench/RESULTS.md); EAGLE_FAST_CPU_NATIVE=
+    avx512-bf16 or `variant(...)` picks it on an AMX CPU too. The tests run both variants
+    wherever either runs, so both keep their bytes and bounds.
 
 Limits
-    AMX (or AVX512-BF16, opted in) on Linux x86-64, not capped by ISA_CAPS, a C compiler, bf16
-    weights, H a multiple of 32, finite logits provably (||y|| ||w|| < 2^120, from the screen's
-    norm bounds); otherwise `serves` is False and the PyTorch path runs.
+    AMX or AVX512-BF16 on Linux x86-64, not capped by ISA_CAPS, a C compiler, bf16 weights, H a
+    multiple of 32, finite logits provably (||y|| ||w|| < 2^120, from the screen's norm
+    bounds); otherwise `serves` is False and the PyTorch path runs.
     EAGLE_FAST_CPU_NATIVE=0 (read at import) turns it off; `switched(on)` overrides that for the
     calls inside a block.
 """
@@ -65,12 +65,12 @@ from ._cpu import bf16_gemm_available, hardware_isa, isa_capped
 
 SOURCE = Path(__file__).with_name("csrc") / "head_cpu.c"
 FLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-fno-strict-aliasing", "-pthread")
-# EAGLE_FAST_CPU_NATIVE (read at import): 0 off; 1 (default) the AMX kernel where the CPU has AMX;
-# avx512-bf16 the AVX512-BF16 kernel on a CPU with AVX512-BF16 (with or without AMX), which is
-# not the default anywhere until a CPU without AMX has measured it against its floor.
+# EAGLE_FAST_CPU_NATIVE (read at import): 0 off; 1 (default) the CPU's own kernel (AMX where the
+# CPU has AMX, AVX512-BF16 where it has AVX512-BF16 and no AMX); avx512-bf16 the AVX512-BF16
+# kernel on any CPU with AVX512-BF16, an AMX one too.
 _SETTING = os.environ.get("EAGLE_FAST_CPU_NATIVE", "1")
 ENABLED = _SETTING != "0"
-VARIANT = "avx512-bf16" if _SETTING == "avx512-bf16" else "amx"
+VARIANT = "avx512-bf16" if _SETTING == "avx512-bf16" else None
 VARIANTS = ("amx", "avx512-bf16")
 _ENABLED: contextvars.ContextVar[bool | None] = contextvars.ContextVar("native_enabled", default=None)
 _VARIANT: contextvars.ContextVar[str | None] = contextvars.ContextVar("native_variant", default=None)
@@ -166,6 +166,7 @@ def library() -> ctypes.CDLL | None:
     lib.ef_draft_argmax.restype = i
     lib.ef_draft_fix.argtypes = [p, i64, i64, i64, p, p, i64, i, i]
     lib.ef_draft_fix.restype = i
+    lib.ef_populate.argtypes, lib.ef_populate.restype = [p, i64, i], i
     lib.ef_draft_out.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, i, i64, i, i]
     lib.ef_draft_out.restype = i
     return lib
@@ -173,8 +174,9 @@ def library() -> ctypes.CDLL | None:
 
 def kind() -> str | None:
     """The kernel variant that runs here ("amx", "avx512-bf16"), or None: the one asked for
-    (`variant`, else EAGLE_FAST_CPU_NATIVE), where the CPU has it uncapped and it is built."""
-    return _kind(_VARIANT.get() or VARIANT)
+    (`variant`, else EAGLE_FAST_CPU_NATIVE, else the CPU's own: "amx" on AMX, "avx512-bf16"
+    elsewhere), where the CPU has it uncapped and it is built."""
+    return _kind(_VARIANT.get() or VARIANT or ("amx" if hardware_isa() == "AMX" else "avx512-bf16"))
 
 
 @functools.cache
@@ -255,8 +257,12 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
             raise MemoryError("the compiled head walk (pass 2) ran out of memory for its scratch")
         return (out if direct else out.to(out_dtype)), argmax, full_lse
     # pass 1 stores the draft logits where pass 2 finds them: in the fp32 output itself, or, for
-    # a bf16 output, in an fp32 scratch of a group of tokens at a time (SCRATCH_BYTES)
-    out = empty_huge((N, Vd), out_dtype if direct else torch.float32)
+    # a bf16 output, in an fp32 scratch of a group of tokens at a time (SCRATCH_BYTES). The
+    # output's pages are taken up front, in 4 KiB pages: on the EPYC (a VM whose host takes freed
+    # memory back) huge pages (`empty_huge`) cost a fresh output several times what 4 KiB pages
+    # do, and faulting them one at a time inside the walk cost more than one pass ahead.
+    out = torch.empty(N, Vd, dtype=out_dtype if direct else torch.float32)
+    lib.ef_populate(out.data_ptr(), out.numel() * out.element_size(), threads)
     bf16 = out.dtype == torch.bfloat16
     rows = max(32, SCRATCH_BYTES // (4 * Vd) // 32 * 32) if bf16 else N
     scratch = torch.empty(min(rows, N), Vd) if bf16 else out
@@ -375,9 +381,10 @@ def report() -> str:
     if kind():
         return f"compiled head walk: {kind()}"
     why = build_error()
-    if hardware_isa() != "AMX":
-        why = (f"it needs AMX (or EAGLE_FAST_CPU_NATIVE=avx512-bf16 and AVX512-BF16); this CPU has "
-               f"{hardware_isa()}")
+    if hardware_isa() not in ("AMX", "AVX512-BF16"):
+        why = f"it needs AMX or AVX512-BF16; this CPU has {hardware_isa()}"
     elif isa_capped():
-        why = "AMX is capped here (kernels._cpu.ISA_CAPS)"
+        why = f"{hardware_isa()} is capped here (kernels._cpu.ISA_CAPS)"
+    elif why is None:
+        why = f"the {_VARIANT.get() or VARIANT} kernel needs AMX; this CPU has {hardware_isa()}"
     return f"compiled head walk: not used ({why})"

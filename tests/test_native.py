@@ -1,15 +1,16 @@
 """The CPU head's compiled walk (`eagle_fast.kernels._native`, `kernels/csrc/head_cpu.c`).
 
 What: ("draft", "argmax") on bf16 weights through `lm_head`, which takes the compiled walk where
-`_native.kind()` names one (AMX, uncapped) and the PyTorch path elsewhere (AVX2, the
-AVX2-capped pass, no compiler):
+`_native.kind()` names one (AMX or AVX512-BF16, uncapped) and the PyTorch path elsewhere (AVX2,
+the AVX2-capped pass, no compiler):
   - the oracle rule of tests/test_lm_head.py (float outputs within 2x the same-dtype
     yardstick's error + atol; ids by value) on shapes with every tail (N, V not multiples of
     32; one draft id; every id a draft id; several segments), fp32 and bf16 out_dtype;
   - exact ties on small-integer data go to the lowest id, across segments and between draft
     and other columns;
-  - the same bytes run to run, for 1, 2 and 3 threads, and per token whatever else is in
-    the call (rows alone vs in a batch);
+  - the same bytes run to run, for 1, 2 and 3 threads, per token whatever else is in the
+    call (rows alone vs in a batch), and whether pass 2 recomputes or reads the draft logits;
+  - each CPU's own kernel by default (AMX on AMX, AVX512-BF16 without AMX);
   - the fallbacks: logits not provably finite, H not a multiple of 32, switched off, no C
     compiler (with the reason named); the build is cached and atomic.
 """
@@ -17,6 +18,9 @@ AVX2-capped pass, no compiler):
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -24,13 +28,14 @@ import torch
 from _assert import assert_close, assert_ids_equal
 from _oracle import lm_head_oracle
 from eagle_fast.kernels import _native, lm_head, lm_head_torch
+from eagle_fast.kernels._cpu import hardware_isa, isa_capped
 from test_lm_head import check_outputs
 
 
 @pytest.fixture(autouse=True, params=_native.VARIANTS)
 def variant(request):
     """Every test under each kernel variant: AMX, and AVX512-BF16 (the kernel for CPUs without
-    AMX, opt-in; it runs on an AMX CPU too, so it is tested wherever either runs)."""
+    AMX; it runs on an AMX CPU too, so it is tested wherever either runs)."""
     with _native.variant(request.param):
         yield request.param
 
@@ -187,6 +192,16 @@ def test_other_shapes_and_switches_take_the_pytorch_path():
     assert not _call(hidden, weight, norm_weight, ids, softcap=30.0)[1]
     assert not _call(hidden, weight, norm_weight, ids, ("draft", "topk"), k=4)[1]
     assert not _call(hidden.float(), weight.float(), norm_weight.float(), ids)[1]
+
+
+def test_by_default_each_cpu_runs_its_own_kernel():
+    """No switch set: an AMX CPU runs the AMX kernel, an AVX512-BF16 CPU without AMX the
+    AVX512-BF16 one, any other CPU (or one capped to AVX2, or without a compiler) neither."""
+    env = {k: v for k, v in os.environ.items() if k != "EAGLE_FAST_CPU_NATIVE"}
+    got = subprocess.run([sys.executable, "-c", "from eagle_fast.kernels import _native; print(_native.kind())"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    own = {"AMX": "amx", "AVX512-BF16": "avx512-bf16"}.get(hardware_isa())
+    assert got == str(None if isa_capped() or _native.library() is None else own)
 
 
 def test_without_a_compiler_the_reason_is_named(monkeypatch):

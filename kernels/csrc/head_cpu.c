@@ -8,7 +8,9 @@ What it does
         float64 sum of exp(s - max) over the draft columns (their logsumexp) and, when asked,
         over every column (the full lse). Nothing is written per column.
       pass 2 (`ef_draft_out`): the draft columns again, out[t, d] = s[t, draft_ids[d]] - lse_d[t]
-        rounded once to fp32 or bf16 (nearest-even), written as contiguous rows.
+        rounded once to fp32 or bf16 (nearest-even), written as contiguous rows; or, where pass
+        1 was given somewhere to store each token's draft logits (the fp32 output itself, or a
+        scratch for a group of tokens), `ef_draft_fix` turns those into the same bytes.
     Python (`kernels/_native.py`) packs the operands, merges pass 1's per-segment statistics
     and hands pass 2 the draft logsumexp.
 
@@ -18,7 +20,7 @@ Design
     (`ef_pack_y`). A [32 vocab x 32 token] block is four 16 x 16 fp32 AMX tiles (TDPBF16PS; or,
     on CPUs without AMX, 16 AVX-512 accumulators per 8 rows, VDPBF16PS: `block_avx512`);
     each tile row is one vocab id across 16 tokens, so the per-token reductions are lane-wise
-    vector maxima and sums. The vocabulary is cut into segments fixed by V alone (never by the
+    vector maxima and sums (and a stored draft logit is a transposed copy of a tile row). The vocabulary is cut into segments fixed by V alone (never by the
     thread count); a thread takes whole segments, each segment keeps its own per-token
     statistics, merged in segment order afterwards. Within a segment: chunks of W rows that
     stay in L2, each swept by the token blocks of a group that stays in the last-level cache.
@@ -42,6 +44,7 @@ Limits
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -502,4 +505,37 @@ int ef_draft_fix(const float *src, int64_t ld_src, int64_t N, int64_t Vd, const 
     fix_job_t job = {src, ld_src, N, Vd, lse, out, ld_out, out_bf16, 0};
     int64_t blocks = (N + FIX_ROWS - 1) / FIX_ROWS;
     return run_threads(fix_worker, &job, nthreads < 1 ? 1 : nthreads > blocks ? (int)blocks : nthreads);
+}
+
+typedef struct {
+    char *begin; /* page-aligned */
+    int64_t bytes, piece;
+    int next;
+} populate_job_t;
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+static void *populate_worker(void *arg) {
+    populate_job_t *j = (populate_job_t *)arg;
+    for (;;) {
+        int64_t off = (int64_t)__atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) * j->piece;
+        if (off >= j->bytes) break;
+        int64_t n = j->bytes - off < j->piece ? j->bytes - off : j->piece;
+        if (madvise(j->begin + off, (size_t)n, MADV_POPULATE_WRITE)) /* before Linux 5.14: touch each page */
+            for (int64_t p = 0; p < n; p += 4096) j->begin[off + p] = 0;
+    }
+    return NULL;
+}
+
+/* Fault in the pages of [ptr, ptr + bytes) for writing, on nthreads threads, 8 MiB at a time:
+   a fresh output's pages taken in one pass rather than one fault at a time inside the walk.
+   The bytes in the range are unspecified afterwards. Returns as ef_draft_fix. */
+int ef_populate(void *ptr, int64_t bytes, int nthreads) {
+    uintptr_t b = ((uintptr_t)ptr + 4095) / 4096 * 4096, e = ((uintptr_t)ptr + (uintptr_t)bytes) / 4096 * 4096;
+    if (e <= b) return 0;
+    populate_job_t job = {(char *)b, (int64_t)(e - b), 8 << 20, 0};
+    int64_t pieces = (job.bytes + job.piece - 1) / job.piece;
+    return run_threads(populate_worker, &job, nthreads < 1 ? 1 : nthreads > pieces ? (int)pieces : nthreads);
 }
