@@ -266,6 +266,8 @@ def draft_argmax(y: torch.Tensor, weight: torch.Tensor, draft_ids: torch.Tensor,
     bf16 = out.dtype == torch.bfloat16
     rows = max(32, SCRATCH_BYTES // (4 * Vd) // 32 * 32) if bf16 else N
     scratch = torch.empty(min(rows, N), Vd) if bf16 else out
+    if bf16:
+        lib.ef_populate(scratch.data_ptr(), scratch.numel() * 4, threads)
     argmax = torch.empty(N, dtype=torch.int64)
     full_lse = torch.empty(N) if lse else None
     for t0 in range(0, N, rows):
