@@ -24,6 +24,7 @@ $(STAMP): $(LOCK) pyproject.toml requirements/templates.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r $(LOCK)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	-$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
+	@rm -f $(VENV)/wheels/xinference-*.whl  # the templates' earlier source
 	$(BIN)/python -m pip download -q --disable-pip-version-check --no-deps -r requirements/templates.txt -d $(VENV)/wheels
 	@# the CPU head's compiled walk (kernels/csrc), built ahead into its per-user cache
 	$(BIN)/python -c "from eagle_fast.kernels._native import report; print(report())"
@@ -53,8 +54,8 @@ test-avx2: $(STAMP)
 	  $(BIN)/python -m pytest -q $(ISA_TESTS)
 
 # pytest-benchmark over bench/bench_*.py (bench/run.py), then bench/RESULTS.md and the plots from
-# bench/results/*.json; see bench/README.md. About 55 minutes on 2 cores, 21 of them the
-# acceptance benchmark: the sum of the per-module wall times in bench/run.py (SECONDS, from the
+# bench/results/*.json; see bench/README.md. About 75 minutes on 2 cores, 21 of them the
+# acceptance benchmark and 20 the draft-types one: the sum of the per-module wall times in bench/run.py (SECONDS, from the
 # recorded results), not a timed whole run.
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

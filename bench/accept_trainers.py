@@ -139,7 +139,7 @@ def check_measure(trainer, samples: list[dict]) -> dict:
             "step_prefix_hits": ours["step_prefix_hits"], "step_valid": ours["step_valid"], "equal": True}
 
 
-def _batches(n_samples: int, t: A.DraftTrain):
+def batches(n_samples: int, t: A.DraftTrain):
     """The sample indices of every step, drawn as accept.train_draft draws them."""
     gen = torch.Generator().manual_seed(t.seed)
     order: list[int] = []
@@ -214,7 +214,7 @@ def train_speculators(model_dir: Path, data_dir: Path, aux_layers: list[int], dr
     model.train()
     torch.set_flush_denormal(True)
     try:
-        for batch_ids in _batches(len(ds), t):
+        for batch_ids in batches(len(ds), t):
             items = [ds[i] for i in batch_ids]
             total = sum(int(x["input_ids"].shape[0]) - 1 for x in items)
             batch = CollateFn(total, hidden, num_target_layers=len(aux_layers), dtype=torch.float32,
@@ -348,7 +348,7 @@ def train_specforge(model_dir: Path, data_dir: Path, work: Path, draft_size: int
     torch.set_flush_denormal(True)
     try:
         with specforge_on_cpu():
-            for step, batch_ids in enumerate(_batches(len(by_index), t)):
+            for step, batch_ids in enumerate(batches(len(by_index), t)):
                 loader = FeatureDataLoader(LocalFeatureStore("accept"), refs=[by_index[i] for i in batch_ids],
                                            batch_size=len(batch_ids), collate_fn=collate,
                                            per_sample_transform=normalise, drop_last=False)

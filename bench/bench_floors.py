@@ -9,7 +9,7 @@ What it does
       gemm-fp32out   MKL's bf16 x bf16 -> fp32 GEMM (`_cpu.gemm_bf16_f32`, the exact head's)
       gemm-fp32      fp32 `torch.mm` on weights upcast ahead of time (the cheapest on AVX2)
       head           `lm_head(("draft", "argmax"), impl="torch")`: the compiled walk where it runs
-                     (`kernels/_native.py`, AMX), else screened where it can be
+                     (`kernels/_native.py`: AMX, AVX512-BF16), else screened where it can be
       head-screen    the same call with the compiled walk off: the screen (`kernels/_torch_screen.py`)
                      over MKL's exact walk of the draft columns (where the compiled walk runs)
       head-exact     the same call with both off: MKL's exact walk alone
@@ -19,6 +19,10 @@ What it does
                      GEMM over the draft columns (that path's draft log-probs are defined by its
                      bits) plus gemm-bf16out over the other columns, weight rows gathered ahead
                      of time, no reduction at all (measured where MKL's bf16 GEMM runs)
+      touch-out      a fresh [N, Vd] fp32 buffer filled once: what any head returning its draft
+                     log-probs pays for the output's pages (the GEMMs above write into buffers
+                     made once); not a floor, a reading aid (in a VM whose host takes freed
+                     memory back, a fresh page costs a host fault)
     The floor is the fastest GEMM measured; each ratio names it. It also counts what the
     screen recomputed (pairs per row, exact tiles) for these random targets and for the
     trained tiny target (`eagle_fast.tiny`, built in a temp dir in seconds), checks that
@@ -61,8 +65,10 @@ OPTIONS = [H.option("--rounds", type=int, default=3, help="timed interleaved rou
                     help="also a real target's head (shapes.FLOOR_REAL_SHAPES: Qwen3-8B, N=2048 H=4096)"),
            H.option("--threads", type=int, default=None, help="torch threads (default: torch's)")]
 GEMMS = ("gemm-bf16out", "gemm-fp32out", "gemm-fp32")
-# The head's goal against the floor, by ISA (AVX2: no slower than the exact walk it replaces).
+# The head's goal against the floor, by ISA (AVX2: no slower than the exact walk it replaces);
+# at a real target's shape (--real, H=4096) 1.5x on either.
 GOALS = {"AMX": 1.5, "AVX512-BF16": 1.3}
+REAL_GOAL = 1.5
 
 
 def _head(hidden, weight, norm_weight, draft_ids, screen: bool, native: bool = False,
@@ -116,6 +122,7 @@ def measure_shape(shape, rounds: int) -> dict:
             gemm_bf16_f32(y, w_draft, out_draft)
             return torch.mm(y, w_rest.t(), out=out_rest)
         providers["two-gemms"] = two_gemms
+    providers["touch-out"] = lambda: torch.empty(N, Vd).fill_(1.0)
     providers["head"] = _head(hidden, weight, norm_weight, draft_ids, True, native=True)
     if native_kind():
         providers["head-screen"] = _head(hidden, weight, norm_weight, draft_ids, True)
@@ -135,6 +142,7 @@ def measure_shape(shape, rounds: int) -> dict:
     flop = 2 * N * Hd * V
     return {
         "shape": shape.name, "N": N, "H": Hd, "V": V, "draft": Vd, "floor": floor,
+        "real": shape in shapes.FLOOR_REAL_SHAPES,
         "times_s": {n: t.times for n, t in sbs.timings.items()},
         "median_s": med, "tflops": {n: flop / s / 1e12 for n, s in med.items()},
         "vs_floor": {n: s / med[floor] for n, s in med.items()},
@@ -192,8 +200,8 @@ def run(args) -> dict:
 
 def verdicts(results) -> H.Verdicts:
     v = H.Verdicts()
-    goal = GOALS.get(results["isa"]) if bf16_gemm_is_native() else None
     for c in results["cases"]:
+        goal = (REAL_GOAL if c.get("real") else GOALS.get(results["isa"])) if bf16_gemm_is_native() else None
         where = f"N={c['N']} H={c['H']} V={c['V']} draft32k+argmax"
         v.check(f"same bytes, screened vs exact head ({where})", c["same_bytes"], "argmax, draft log-probs")
         head, exact, floor = c["median_s"]["head"], c["median_s"]["head-exact"], c["median_s"][c["floor"]]

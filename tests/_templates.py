@@ -6,21 +6,29 @@ Each template comes unmodified from an installed package (none is written here):
 - chatml: vLLM's `template_chatml.jinja` (no end token after a final assistant turn);
 - deepseek: vLLM's `template_deepseek_vl2.jinja` (plain-text headers, eos_token ends a turn);
 - llama4: transformers' Llama-4 processor template (header tokens, `<|eot|>`);
-- mistral: the template mistral_common generates for a v11 (Mistral-Small-3.x) tokenizer;
-- llama3, gpt_oss: Llama-3.1-Instruct's and gpt-oss's templates, as xinference's wheel carries
-  them verbatim (requirements/templates.txt; `make venv` downloads it to .venv/wheels, never
-  installs it, and they are read out of the zip).
+- mistral, mistral-v7: the templates mistral_common generates for a v11 (Mistral-Small-3.x) and
+  a v7 tokenizer (calls after the content: `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`, and
+  `[TOOL_CALLS][{"name": ..., "arguments": ..., "id": ...}]`);
+- qwen3-0.6b, llama3, gpt_oss, mistral-small-3.2: the templates of Qwen3-0.6B (every Qwen3's),
+  Llama-3.3-70B-Instruct (Llama-3.1's text), gpt-oss-120b and Mistral-Small-3.2-24B-Instruct-2506
+  as their Hub repositories ship them, in llama.cpp's verbatim copies that llama-cpp-python's
+  source archive carries (requirements/templates.txt; `make venv` downloads it to .venv/wheels,
+  never builds or installs it, and they are read out of the archive).
 `oracle(name, ...)` is a copy with `{% generation %}` placed around each assistant turn's
 content and end token (a text edit of the shipped template; every edit must apply exactly once,
 so a changed upstream template fails loudly), read through transformers'
 `return_assistant_tokens_mask`. The qwen3 copy leaves an empty think block outside the block
 unless it is kept, and a think opener the generation prompt writes (enable_thinking) too.
-`tokenizer(name, dir)` is the tiny test BPE with that family's special and added tokens.
+`tokenizer(name, dir)` is the tiny test BPE with that family's special and added tokens (the
+ones the family's own tokenizer has, so the rule sees `[TOOL_CALLS]` or `<|python_tag|>` as the
+model does).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
+import tarfile
 from pathlib import Path
 
 from eagle_fast import tiny
@@ -35,14 +43,25 @@ SPECIALS = {
     "llama4": (["<|begin_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>", "<|python_start|>",
                 "<|python_end|>"], [],
                {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>"}),
-    "mistral": (["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]"], [],
-                {"bos_token": "<s>", "eos_token": "</s>"}),
+    "mistral": (["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]",
+                 "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[CALL_ID]", "[ARGS]", "[TOOL_RESULTS]", "[TOOL_CONTENT]",
+                 "[/TOOL_RESULTS]"], [], {"bos_token": "<s>", "eos_token": "</s>"}),
+    "mistral-v7": (["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]",
+                    "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[TOOL_CONTENT]", "[/TOOL_RESULTS]"], [],
+                   {"bos_token": "<s>", "eos_token": "</s>"}),
     "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
                 "<|python_tag|>"], [], {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}),
     "gpt_oss": (["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>", "<|constrain|>"],
                 [], {"eos_token": "<|return|>"}),
+    "qwen3-0.6b": (["<|im_start|>", "<|im_end|>"], ["<think>", "</think>", "<tool_call>", "</tool_call>",
+                                                    "<tool_response>", "</tool_response>"], {"eos_token": "<|im_end|>"}),
+    "mistral-small-3.2": (["<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[AVAILABLE_TOOLS]",
+                           "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[CALL_ID]", "[ARGS]", "[TOOL_RESULTS]",
+                           "[TOOL_CONTENT]", "[/TOOL_RESULTS]", "[IMG]"], [], {"bos_token": "<s>", "eos_token": "</s>"}),
 }
-WHEEL_TEMPLATES = {"llama3": ("llama-3.1-instruct", "llama-3.1-instruct"), "gpt_oss": ("gpt-oss", "gpt-oss")}
+LLAMA_CPP_TEMPLATES = {"qwen3-0.6b": "Qwen-Qwen3-0.6B.jinja", "llama3": "meta-llama-Llama-3.3-70B-Instruct.jinja",
+                       "gpt_oss": "openai-gpt-oss-120b.jinja",
+                       "mistral-small-3.2": "Mistral-Small-3.2-24B-Instruct-2506.jinja"}
 
 
 def shipped(name: str) -> str:
@@ -55,29 +74,34 @@ def shipped(name: str) -> str:
         from transformers.models.llama4 import processing_llama4
 
         return processing_llama4.chat_template
-    if name == "mistral":
+    if name in ("mistral", "mistral-v7"):
         from mistral_common.integrations.chat_templates.chat_templates import generate_chat_template
         from mistral_common.tokens.tokenizers.base import TokenizerVersion
 
         return generate_chat_template(
-            spm=False, tokenizer_version=TokenizerVersion.v11, image_support=False, audio_support=False,
+            spm=False, tokenizer_version=TokenizerVersion.v11 if name == "mistral" else TokenizerVersion.v7,
+            image_support=False, audio_support=False,
             thinking_support=False, default_system_prompt=None, plain_thinking_support=False,
             use_special_token_variables=True, model_settings_fields=None, reasoning_effort_values=None,
             reasoning_effort_default=None)
-    if name in WHEEL_TEMPLATES:
-        return _from_wheel(*WHEEL_TEMPLATES[name])
+    if name in LLAMA_CPP_TEMPLATES:
+        return _from_llama_cpp()[LLAMA_CPP_TEMPLATES[name]]
     raise KeyError(name)
 
 
-def _from_wheel(file: str, model: str) -> str:
-    import json
-    import zipfile
-
-    wheels = sorted((Path(sys.prefix) / "wheels").glob("xinference-*.whl"))
-    assert wheels, f"no xinference wheel in {Path(sys.prefix) / 'wheels'}: run `make venv` (requirements/templates.txt)"
-    with zipfile.ZipFile(wheels[-1]) as z:
-        families = json.loads(z.read(f"xinference/model/llm/models/{file}.json"))
-    return next(f["chat_template"] for f in families if f.get("model_name") == model)
+@functools.lru_cache(maxsize=1)
+def _from_llama_cpp() -> dict[str, str]:
+    """The templates of LLAMA_CPP_TEMPLATES, read out of llama-cpp-python's source archive."""
+    archives = sorted((Path(sys.prefix) / "wheels").glob("llama_cpp_python-*.tar.gz"))
+    assert archives, f"no llama-cpp-python archive in {Path(sys.prefix) / 'wheels'}: run `make venv` (requirements/templates.txt)"
+    want, found = set(LLAMA_CPP_TEMPLATES.values()), {}
+    with tarfile.open(archives[-1]) as archive:
+        for member in archive:
+            folder, _, file = member.name.rpartition("/")
+            if folder.endswith("/vendor/llama.cpp/models/templates") and file in want:
+                found[file] = archive.extractfile(member).read().decode("utf-8")
+    assert set(found) == want, f"{archives[-1].name} lacks {sorted(want - set(found))}"
+    return found
 
 
 def tokenizer(name: str, directory: Path):
@@ -105,7 +129,7 @@ def _mark_after(t: str, head: str, start: str, end: str, after: str) -> str:
                  "{%- endgeneration %}" + after)
 
 
-_QWEN_FULL = ("{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' "
+_QWEN_FULL = ("{{- '<|im_start|>' + message.role + '\\n<think>\\n' + REASONING.strip('\\n') + '\\n</think>\\n\\n' "
               "+ content.lstrip('\\n') }}")
 _QWEN_PLAIN = "{{- '<|im_start|>' + message.role + '\\n' + content }}"
 
@@ -113,12 +137,13 @@ _QWEN_PLAIN = "{{- '<|im_start|>' + message.role + '\\n' + content }}"
 def oracle(name: str, *, keep_empty_think: bool = False, prompt_think: bool = False) -> str:
     """The marked copy of `shipped(name)`; prompt_think: the generation prompt writes <think>\\n."""
     t = shipped(name)
-    if name == "qwen3":
-        empty = "not reasoning.strip('\\n')" if not keep_empty_think else "false"
+    if name in ("qwen3", "qwen3-0.6b"):
+        var = "reasoning" if name == "qwen3" else "reasoning_content"  # what each calls the think text
+        empty = f"not {var}.strip('\\n')" if not keep_empty_think else "false"
         block, opener = len("<think>\n\n</think>\n\n"), len("<think>\n") if prompt_think else 0
         cut = f"({block} if ({empty}) else {opener})"
-        t = _edit(t, _QWEN_FULL,
-                  "{%- set ns.full = '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') %}"
+        t = _edit(t, _QWEN_FULL.replace("REASONING", var),
+                  f"{{%- set ns.full = '<think>\\n' + {var}.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') %}}"
                   f"{{%- set ns.head = '<|im_start|>' + message.role + '\\n' + ns.full[:{cut}] %}}"
                   f"{{%- set ns.body = ns.full[{cut}:] %}}")
         t = t.replace(_QWEN_PLAIN, "{%- set ns.head = '<|im_start|>' + message.role + '\\n' %}{%- set ns.body = content %}")
@@ -152,7 +177,7 @@ def oracle(name: str, *, keep_empty_think: bool = False, prompt_think: bool = Fa
         t = _edit(t, "       {{- '<|python_start|>' }}", "       {%- generation %}{{- '<|python_start|>' }}")
         return _edit(t, "       {{- \"<|eot|>\" }}\n    {%- elif message.role == \"tool\"",
                      "       {{- \"<|eot|>\" }}{%- endgeneration %}\n    {%- elif message.role == \"tool\"")
-    if name == "mistral":
+    if name in ("mistral", "mistral-v7"):
         t = _edit(t, "        {%- if message['content'] %}\n            {{- render_content(content=message['content'], "
                      "context_name='assistant message contents') -}}",
                   "        {%- generation %}{%- if message['content'] %}\n            {{- render_content("
@@ -174,6 +199,12 @@ def oracle(name: str, *, keep_empty_think: bool = False, prompt_think: bool = Fa
         # analysis, its call or final message, and the <|start|>assistant between them)
         return _mark_after(t, "<|start|>assistant", "    {%- if message.role == 'assistant' -%}", "",
                            "\n    {%- elif message.role == 'tool' -%}")
+    if name == "mistral-small-3.2":
+        # an assistant turn: all it writes (no header): its content or its calls, and </s>
+        t = _edit(t, "    {%- elif message['role'] == 'assistant' %}",
+                  "    {%- elif message['role'] == 'assistant' %}{%- generation %}")
+        return _edit(t, "\n    {%- elif message['role'] == 'tool_results' or message['role'] == 'tool' %}",
+                     "{%- endgeneration %}\n    {%- elif message['role'] == 'tool_results' or message['role'] == 'tool' %}")
     raise KeyError(name)
 
 

@@ -1,4 +1,4 @@
-"""Agentic rows (issue 46, the input side): a row's `tools`, OpenAI tool calls (null content,
+"""Agentic rows, the input side: a row's `tools`, OpenAI tool calls (null content,
 JSON-string arguments), tool results with text parts, LLaMA-Factory's ShareGPT
 `function_call` / `observation` turns, through `inputs` and the chat masks.
 
@@ -39,7 +39,7 @@ OPENAI = {"tools": TOOLS, "messages": [
     {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Sunny, 21C"}]},
     {"role": "tool", "tool_call_id": "c2", "content": "Rain, 14C"},
     {"role": "assistant", "content": "Paris is sunny; Rome is rainy."}]}
-SHAREGPT = {"tools": json.dumps(TOOLS), "conversations": [
+SHAREGPT = {"tools": json.dumps([t["function"] for t in TOOLS]), "conversations": [  # bare schemas, LLaMA-Factory's
     {"from": "human", "value": "Weather in Paris and Rome?"},
     {"from": "function_call", "value": json.dumps([{"name": "get_weather", "arguments": {"city": "Paris"}},
                                                    {"name": "get_weather", "arguments": {"city": "Rome"}}])},
@@ -105,8 +105,15 @@ def test_string_and_object_arguments_render_alike(qwen):
     (lambda o: o["messages"][1]["tool_calls"][0]["function"].update(arguments="[1, 2]"),
      r"message 2, call 1 \(get_weather\): arguments must be a JSON object"),
     (lambda o: o["messages"][0].update(tool_calls=[call("x")]), r"message 1 \(user\) has tool_calls"),
+    (lambda o: o["messages"][1]["tool_calls"][1].update(id=["c2"]),
+     r"message 2, call 2 \(get_weather\): its id must be a non-empty string"),
+    (lambda o: o["messages"][2].update(tool_call_id=1), r'message 3: "tool_call_id" must be a string, got int'),
     (lambda o: o.update(tools="not json"), r'"tools" is a string that is not JSON'),
     (lambda o: o.update(tools=[1]), r'"tools" must be a list of function schemas'),
+    (lambda o: o.update(tools=[TOOLS[0], {"description": "no name"}]), r'"tools" item 2 has no function name'),
+    (lambda o: o.update(tools=[{"type": "web_search"}]), r"\"tools\" item 1 is a 'web_search' tool, not a function"),
+    (lambda o: o.update(tools=json.dumps([{"name": "f", "parameters": "city"}])),
+     r'"tools" item 1 \(f\): "parameters" must be a JSON schema object'),
     (lambda o: o["messages"][2].update(content=[{"type": "image_url"}]), r"message 3 has image_url parts: eagle_fast extracts text chats only"),
     (lambda o: o["messages"][2].update(content=[{"type": "table"}]), r"message 3 has no string \"content\""),
 ])
@@ -115,6 +122,24 @@ def test_a_malformed_call_or_schema_fails_its_line(edit, match):
     edit(obj)
     with pytest.raises(UserError, match=rf"data.jsonl:7: {match}"):
         _rec(obj, line=7)
+
+
+def test_tools_in_every_form_are_read_as_openai_wraps_them():
+    bare = [t["function"] for t in TOOLS]
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's form
+    for tools in (TOOLS, json.dumps(TOOLS), bare, json.dumps(bare), bare[0], flat):
+        assert _rec({**OPENAI, "tools": tools}).tools == TOOLS, tools
+
+
+def test_sharegpt_system_column_is_the_system_message():
+    rec = _rec({**SHAREGPT, "system": "Be brief."})
+    assert rec.value[0] == {"role": "system", "content": "Be brief."} and rec.value[1]["role"] == "user"
+    with pytest.raises(UserError, match=r'data.jsonl:2: "system" must be a string, got list'):
+        _rec({**SHAREGPT, "system": ["Be brief."]}, line=2)
+    both = {**SHAREGPT, "system": "Be brief.",
+            "conversations": [{"from": "system", "value": "Hi"}, *SHAREGPT["conversations"]]}
+    with pytest.raises(UserError, match=r'data.jsonl:3: the row has a "system" column and a system message'):
+        _rec(both, line=3)
 
 
 def test_sharegpt_function_call_must_be_json():
@@ -202,22 +227,30 @@ def test_llama3_masks_equal_the_oracle_and_parallel_calls_fail_their_line(tmp_pa
 
 def test_gpt_oss_masks_equal_the_oracle_with_reasoning_and_calls(tmp_path):
     """gpt-oss's template as it ships (harmony): an assistant turn is all it writes after
-    `<|start|>assistant`: its analysis (the last turn's only: earlier reasoning is dropped), its
-    call to=functions.NAME ... <|call|>, its final message and <|end|> / <|return|>. The tool
-    result's header names the call, and is not the assistant's."""
+    `<|start|>assistant`: its analysis (the last turn's, and a call's while no final message
+    follows it: earlier reasoning is dropped), its call to=functions.NAME ... <|call|>, its final
+    message and <|end|> / <|return|>. The tool result's header names the call, and is not the
+    assistant's."""
     tok = tokenizer("gpt_oss", tmp_path)
     chat = ChatFormat(template=shipped("gpt_oss"))
     msgs = [dict(m) for m in AGENTIC]
     msgs[2]["reasoning_content"] = "I should look it up."
     msgs[4]["reasoning_content"] = "Report it."
     msgs[6]["reasoning_content"] = "Be polite."
-    msgs[2]["tool_calls"] = [call("Paris", True), call("Rome")]  # the template writes the first call only
     rec = _rec({"tools": TOOLS, "messages": msgs})
     ids, mask = tokenize_record(rec, tok, "data.jsonl", chat)
     assert (ids, mask) == oracle_mask(tok, for_template(rec.value, chat.template), oracle("gpt_oss"), tools=TOOLS)
     supervised = tok.decode([t for t, m in zip(ids, mask) if m])
-    assert ('<|channel|>analysis<|message|>I should look it up.<|end|><|start|>assistant to=functions.get_weather'
-            '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in supervised
+    assert ('<|start|>user<|message|>Weather in Paris?<|end|><|start|>assistant to=functions.get_weather'
+            '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in tok.decode(ids)
+    assert ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>' in supervised
+    assert "I should look it up." not in tok.decode(ids)  # a final message follows the call
     assert "Report it." not in supervised and "<|channel|>final<|message|>It is sunny, 21C.<|end|>" in supervised
     assert "Be polite.<|end|><|start|>assistant<|channel|>final<|message|>You are welcome.<|return|>" in supervised
     assert "Sunny" not in supervised and "functions.get_weather to=assistant" not in supervised
+    # a chat that ends at the call: its analysis is written, and is the assistant's
+    rec = _rec({"tools": TOOLS, "messages": msgs[:3]})
+    ids, mask = tokenize_record(rec, tok, "data.jsonl", chat)
+    assert (ids, mask) == oracle_mask(tok, for_template(rec.value, chat.template), oracle("gpt_oss"), tools=TOOLS)
+    assert ('<|channel|>analysis<|message|>I should look it up.<|end|><|start|>assistant to=functions.get_weather'
+            '<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>') in tok.decode([t for t, m in zip(ids, mask) if m])

@@ -227,8 +227,9 @@ TOPK = ["--supervision", "draft-topk", "--k", "8", "--draft-vocab", "{vocab}"]
 ])
 def test_refusals_name_the_problem_and_the_fix(tiny_llama, inputs, tmp_path, capsys, extra, problem):
     _, data, vocab = inputs
+    aux = [] if "--aux-layers" in extra else ["--aux-layers", AUX]  # given twice it is refused for that alone
     argv = ["extract", "--model", tiny_llama, "--data", data, "--out", tmp_path / "o", "--engine", "vllm",
-            "--dtype", "fp32", "--max-len", "96", "--aux-layers", AUX, "--head-in-worker",
+            "--dtype", "fp32", "--max-len", "96", *aux, "--head-in-worker",
             *(a.format(vocab=vocab) for a in extra)]
     code, _, err = run_main(capsys, *argv)
     assert code != 0 and "--head-in-worker" in err and "drop --head-in-worker" in err, err

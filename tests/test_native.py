@@ -1,15 +1,16 @@
 """The CPU head's compiled walk (`eagle_fast.kernels._native`, `kernels/csrc/head_cpu.c`).
 
 What: ("draft", "argmax") on bf16 weights through `lm_head`, which takes the compiled walk where
-`_native.kind()` names one (AMX, uncapped) and the PyTorch path elsewhere (AVX2, the
-AVX2-capped pass, no compiler):
+`_native.kind()` names one (AMX or AVX512-BF16, uncapped) and the PyTorch path elsewhere (AVX2,
+the AVX2-capped pass, no compiler):
   - the oracle rule of tests/test_lm_head.py (float outputs within 2x the same-dtype
     yardstick's error + atol; ids by value) on shapes with every tail (N, V not multiples of
     32; one draft id; every id a draft id; several segments), fp32 and bf16 out_dtype;
   - exact ties on small-integer data go to the lowest id, across segments and between draft
     and other columns;
-  - the same bytes run to run, for 1, 2 and 3 threads, and per token whatever else is in
-    the call (rows alone vs in a batch);
+  - the same bytes run to run, for 1, 2 and 3 threads, per token whatever else is in the
+    call (rows alone vs in a batch), and whether pass 2 recomputes or reads the draft logits;
+  - each CPU's own kernel by default (AMX on AMX, AVX512-BF16 without AMX);
   - the fallbacks: logits not provably finite, H not a multiple of 32, switched off, no C
     compiler (with the reason named); the build is cached and atomic.
 """
@@ -17,6 +18,9 @@ AVX2-capped pass, no compiler):
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -24,13 +28,14 @@ import torch
 from _assert import assert_close, assert_ids_equal
 from _oracle import lm_head_oracle
 from eagle_fast.kernels import _native, lm_head, lm_head_torch
+from eagle_fast.kernels._cpu import hardware_isa, isa_capped
 from test_lm_head import check_outputs
 
 
 @pytest.fixture(autouse=True, params=_native.VARIANTS)
 def variant(request):
     """Every test under each kernel variant: AMX, and AVX512-BF16 (the kernel for CPUs without
-    AMX, opt-in; it runs on an AMX CPU too, so it is tested wherever either runs)."""
+    AMX; it runs on an AMX CPU too, so it is tested wherever either runs)."""
     with _native.variant(request.param):
         yield request.param
 
@@ -148,6 +153,24 @@ def test_same_bytes_run_to_run_and_for_any_thread_count():
         assert torch.equal(a[0], b[150])
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_stored_and_recomputed_draft_logits_give_the_same_bytes(out_dtype, monkeypatch):
+    """Pass 2 either recomputes the draft logits or reads those pass 1 stored (a bf16 output's
+    scratch holds a group of tokens at a time: here 64, so the call takes several groups)."""
+    need_walk()
+    from eagle_fast.kernels._torch_screen import norm_upper
+
+    hidden, weight, _, ids = _inputs(150, 96, 2500, 700, seed=19)
+    monkeypatch.setattr(_native, "SCRATCH_BYTES", 64 * 4 * ids.numel())
+    y_norm, w_max = norm_upper(hidden), float(norm_upper(weight).max())
+    got = [_native.draft_argmax(hidden, weight, ids, y_norm, w_max, threads=t, lse=True, out_dtype=out_dtype,
+                                recompute=r) for r, t in ((True, 1), (False, 2))]
+    (logprobs, argmax, lse), (logprobs2, argmax2, lse2) = got
+    assert logprobs.dtype == out_dtype
+    assert torch.equal(logprobs.view(torch.uint8), logprobs2.view(torch.uint8))
+    assert torch.equal(argmax, argmax2) and torch.equal(lse.view(torch.int32), lse2.view(torch.int32))
+
+
 def test_falls_back_where_it_cannot_promise_finite_logits():
     hidden, weight, norm_weight, ids = _inputs(40, 64, 600, 100, seed=2)
     weight = weight.clone()
@@ -169,6 +192,16 @@ def test_other_shapes_and_switches_take_the_pytorch_path():
     assert not _call(hidden, weight, norm_weight, ids, softcap=30.0)[1]
     assert not _call(hidden, weight, norm_weight, ids, ("draft", "topk"), k=4)[1]
     assert not _call(hidden.float(), weight.float(), norm_weight.float(), ids)[1]
+
+
+def test_by_default_each_cpu_runs_its_own_kernel():
+    """No switch set: an AMX CPU runs the AMX kernel, an AVX512-BF16 CPU without AMX the
+    AVX512-BF16 one, any other CPU (or one capped to AVX2, or without a compiler) neither."""
+    env = {k: v for k, v in os.environ.items() if k != "EAGLE_FAST_CPU_NATIVE"}
+    got = subprocess.run([sys.executable, "-c", "from eagle_fast.kernels import _native; print(_native.kind())"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    own = {"AMX": "amx", "AVX512-BF16": "avx512-bf16"}.get(hardware_isa())
+    assert got == str(None if isa_capped() or _native.library() is None else own)
 
 
 def test_without_a_compiler_the_reason_is_named(monkeypatch):

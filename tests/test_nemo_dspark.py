@@ -207,7 +207,7 @@ def _draft(target, cache_dir: Path, attention_backend: str):
     return draft, DSparkTrainerModule(draft, ce_loss_alpha=0.1, l1_loss_alpha=0.9, confidence_head_alpha=1.0)
 
 
-def test_nemo_dspark_trains_a_step_on_the_cache(cache, target8, monkeypatch):
+def test_nemo_dspark_trains_a_step_on_the_cache(cache, target8):
     out, _ = cache
     batch = next(iter(dspark_cache.build_cached_dspark_dataloader(cache_dir=str(out), batch_size=2, shuffle=False)))
 
@@ -226,11 +226,12 @@ def test_nemo_dspark_trains_a_step_on_the_cache(cache, target8, monkeypatch):
     assert draft.embed_tokens.weight.grad is None and draft.lm_head.weight.grad is None  # frozen, as the recipe has them
     # the recipe's backend: FlexAttention (no backward on CPU) gives the same loss, run eagerly (torch's
     # reference; transformers' torch.compile of it takes over a minute on this CPU)
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    flex_draft, flex = _draft(target8, out, "flex_attention")
-    assert flex_draft.config._attn_implementation == "flex_attention"
-    with torch.no_grad():
-        assert_close(forward(flex).loss, step.loss.detach(), atol=1e-5, rtol=1e-5, name="flex vs sdpa loss")
+    # (torch's own patch: monkeypatch's undo deletes the entry, which hides it from every later test)
+    with torch._dynamo.config.patch(disable=True):
+        flex_draft, flex = _draft(target8, out, "flex_attention")
+        assert flex_draft.config._attn_implementation == "flex_attention"
+        with torch.no_grad():
+            assert_close(forward(flex).loss, step.loss.detach(), atol=1e-5, rtol=1e-5, name="flex vs sdpa loss")
 
 
 def test_verify_passes_and_fails_a_prenorm_writer(cache, target8, tmp_path, capsys, monkeypatch):

@@ -18,7 +18,9 @@ One change did (issue 40): on AMX CPUs the bf16 head's draft supervision comes f
 walk (`kernels/_native.py`), whose fp32 sums run in another order than MKL's GEMM. So a bf16
 draft extraction is pinned twice: with the compiled walk off it must match BASELINE byte for
 byte (nothing else moved), with it on it must match NATIVE_BASELINE, and the two differ only in
-the fields the head computes (draft log-probs, lse), by fp32 rounding, where the walk runs.
+the fields the head computes (draft log-probs, lse), by fp32 rounding, where the walk runs. On
+CPUs with AVX512-BF16 and no AMX the walk's AVX512-BF16 kernel, their default since it reached
+their floor, must match AVX512_BASELINE, where that kernel was opt-in.
 """
 
 from __future__ import annotations
@@ -34,11 +36,15 @@ import torch
 from _bench import load_bench
 from _pipeline import manifest_core, mixed_jsonl, tree_digest
 from eagle_fast.kernels import _native
+from eagle_fast.kernels._cpu import hardware_isa
 
 # The last commit before the layout of issue "one supervision path" (same bytes since).
 BASELINE = "5a534cffb8fe0421c4b2e05413cbeb6b3a48d12d"
 # The commit whose compiled walk set the bf16 head's bytes on AMX CPUs (elsewhere: BASELINE's).
 NATIVE_BASELINE = "fdaab3a849697b980e99d4501b809a7e0da10dd0"
+# The commit whose AVX512-BF16 kernel set them on CPUs with AVX512-BF16 and no AMX, where it was
+# opt-in then (EAGLE_FAST_CPU_NATIVE=avx512-bf16) and is the default since.
+AVX512_BASELINE = "3eecd69da0c343bde7f4baac15fb2501b0eda037"
 REPO = Path(__file__).resolve().parents[1]
 
 # Runs `eagle-fast` commands (a JSON list of argv lists) with whichever eagle_fast is first on
@@ -65,10 +71,10 @@ def baseline_tree(tmp_path_factory) -> Path:
         pytest.fail(str(exc), pytrace=False)
 
 
-def _run(src: Path | None, commands: list[list[str]], cwd: Path, native: bool = True) -> None:
+def _run(src: Path | None, commands: list[list[str]], cwd: Path, native: str = "1") -> None:
     """The commands with the package under `src` (None: the one installed from this checkout),
-    the compiled head walk on or off (EAGLE_FAST_CPU_NATIVE)."""
-    env = dict(os.environ, EAGLE_FAST_CPU_NATIVE="1" if native else "0")
+    EAGLE_FAST_CPU_NATIVE=native ("1" the compiled head walk's default, "0" off)."""
+    env = dict(os.environ, EAGLE_FAST_CPU_NATIVE=native)
     if src is None:
         want = str(REPO)
     else:
@@ -170,12 +176,15 @@ def _tensors(root: Path) -> dict[str, torch.Tensor]:
 
 
 def test_bf16_draft_moves_only_with_the_compiled_walk(baseline_tree, tiny_llama, tmp_path, tmp_path_factory):
+    # the pin of this CPU's default kernel, and the setting that ran it there
+    commit, setting = ((AVX512_BASELINE, "avx512-bf16") if hardware_isa() == "AVX512-BF16"
+                       else (NATIVE_BASELINE, "1"))
     try:
-        pinned = load_bench("_harness").package_at(NATIVE_BASELINE, tmp_path_factory.mktemp("native"))
+        pinned = load_bench("_harness").package_at(commit, tmp_path_factory.mktemp("native"))
     except RuntimeError as exc:
         pytest.fail(str(exc), pytrace=False)
     data = mixed_jsonl(tmp_path / "d.jsonl", n_chat=8)
-    sides = {"old": (baseline_tree, False), "off": (None, False), "pinned": (pinned, True), "new": (None, True)}
+    sides = {"old": (baseline_tree, "0"), "off": (None, "0"), "pinned": (pinned, setting), "new": (None, "1")}
     for side, (src, native) in sides.items():
         base = tmp_path / side
         base.mkdir()

@@ -1,11 +1,12 @@
-"""`eagle-fast accept`: a trained EAGLE-3 draft's acceptance, as vLLM's speculative decoding
-counts it beside the target.
+"""`eagle-fast accept`: a trained draft's acceptance (or the target's own MTP layers'), as vLLM's
+speculative decoding counts it beside the target.
 
-Flow: check the settings and the draft's fit to the target (`drafts.check_draft`: refused
-before any engine starts, the mismatch named); stream the rows up to the N-th prompt
+Flow: check the settings, the method and the draft's fit to the target (`methods.plan_method`:
+eagle3, dflash, dspark or mtp, refused before any engine starts with the mismatch or vLLM's
+refusal named); stream the rows up to the N-th prompt
 (`rows.stream_rows`: a bad line is reported with its number, not fatal); make one prompt per row (`rows.record_prompt`: a
 conversation up to its last user turn, rendered with the chat template and its generation
-prompt); then one vLLM engine with `speculative_config={"method": "eagle3", ...}` generates an
+prompt); then one vLLM engine with the method's `speculative_config` generates an
 answer to every prompt, and the engine's own counters are read before and after. `accept_each`
 runs the prompts once per sampling setting on that one engine (from a cold prefix cache each
 time), a result per setting.
@@ -29,13 +30,14 @@ from eagle_fast.checkpoint import resolve_dtype_name
 from eagle_fast.errors import UserError
 from eagle_fast.files import atomic_write_json
 from eagle_fast.inputs import load_tokenizer
-from eagle_fast.loop.drafts import DraftFit, check_draft
+from eagle_fast.loop.drafts import DraftFit
 from eagle_fast.loop.engine import (
     Sampling,
     check_settings,
     generation_kwargs,
     spec_counters,
 )
+from eagle_fast.loop.methods import METHODS, MethodPlan, plan_method
 from eagle_fast.loop.rows import Failure, Row, record_prompt, stream_rows
 from eagle_fast.mixing import DataSpec, draw
 from eagle_fast.runners import generation
@@ -45,7 +47,7 @@ from eagle_fast.runners.engine_settings import VLLMSettings
 @dataclass
 class AcceptConfig:
     model: str
-    draft: str
+    draft: str | None     # None for --method mtp (the target's own layers)
     data: str | DataSpec  # one file, or the sources and their draw (`mixing`)
     num_speculative_tokens: int = 3
     num_prompts: int | None = None    # the first N prompts (None: all)
@@ -54,8 +56,12 @@ class AcceptConfig:
     chat: ChatFormat = field(default_factory=ChatFormat)
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     json_path: str | None = None
+    method: str = "eagle3"            # vLLM's speculative method: eagle3 | dflash | dspark | mtp
 
     def check(self) -> None:
+        if self.method not in METHODS:
+            raise UserError(f"--method {self.method!r} is not one of {', '.join(METHODS)}",
+                            "pick one of them (vLLM's names)")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise UserError(f"--num-speculative-tokens must be a positive integer, got {k!r}", "pass e.g. -k 3")
@@ -66,8 +72,8 @@ class AcceptConfig:
             raise UserError(f"--model {self.model} is not a checkpoint directory",
                             "pass the directory holding config.json and the weights")
         generation.check_model(self.model)
-        if not Path(self.draft).is_dir():
-            raise UserError(f"--draft {self.draft} is not a directory", "pass the EAGLE-3 draft's directory")
+        if self.draft is not None and not Path(self.draft).is_dir():
+            raise UserError(f"--draft {self.draft} is not a directory", f"pass the {self.method} draft's directory")
         if self.json_path is not None:
             out = Path(self.json_path)
             if not out.parent.is_dir():
@@ -77,8 +83,10 @@ class AcceptConfig:
         self.sampling.check()
         check_settings(self.vllm)
 
-    def speculative_config(self) -> dict[str, Any]:
-        return {"method": "eagle3", "model": str(self.draft), "num_speculative_tokens": self.num_speculative_tokens}
+    def plan(self) -> MethodPlan:
+        """The method's speculative_config, engine arguments, draft fit and notes (refusals raise)."""
+        return plan_method(self.method, self.draft, self.model, resolve_dtype_name(self.model, self.dtype),
+                           self.num_speculative_tokens, self.vllm)
 
 
 @dataclass
@@ -90,7 +98,7 @@ class Prompt:
 @dataclass
 class AcceptResult:
     model: str
-    draft: str
+    draft: str | None
     data: str
     data_sha256: str
     num_speculative_tokens: int
@@ -106,6 +114,8 @@ class AcceptResult:
     generate_seconds: float = 0.0
     engine_start_seconds: float = 0.0
     json_path: str | None = None
+    method: str = "eagle3"
+    notes: list[str] = field(default_factory=list)  # what the method set or warns of (methods.plan_method)
 
     @property
     def num_drafts(self) -> int:
@@ -136,7 +146,7 @@ class AcceptResult:
             "generate_seconds": round(self.generate_seconds, 3),
             "engine_start_seconds": round(self.engine_start_seconds, 3),
             "num_speculative_tokens": self.num_speculative_tokens, "dtype": self.dtype, "sampling": self.sampling,
-            "model": self.model, "draft": self.draft, "draft_fit": self.fit.to_json(),
+            "method": self.method, "notes": list(self.notes), "model": self.model, "draft": self.draft, "draft_fit": self.fit.to_json(),
             "data": self.data, "data_sha256": self.data_sha256, "read": self.read, "prompts": self.prompts,
             "unused_rows": self.unused_rows, "failed": len(self.failures),
             "failures": [f.to_json() for f in sorted(self.failures, key=lambda f: f.line)],
@@ -144,9 +154,11 @@ class AcceptResult:
 
     def text(self) -> str:
         k = self.num_speculative_tokens
-        lines = [f"accept: {self.draft} ({self.fit.layout}) on {self.model}, K={k}, {self.prompts:,} prompts of "
+        what = f"{self.draft} ({self.fit.layout})" if self.draft is not None else f"its own {self.fit.architecture}"
+        lines = [f"accept --method {self.method}: {what} on {self.model}, K={k}, {self.prompts:,} prompts of "
                  f"{self.read:,} lines read ({len(self.failures):,} failed"
                  + (f", {self.unused_rows:,} past --num-prompts" if self.unused_rows else "") + ")"]
+        lines += [f"  {n}" for n in self.notes]
         mean = self.mean_acceptance_length()
         if mean is None:
             lines.append("  no drafts were made (every answer ended at its first token?)")
@@ -225,7 +237,7 @@ def accept_each(cfg: AcceptConfig, samplings: list[Sampling]) -> list[AcceptResu
     cfg.check()
     for sampling in samplings:
         sampling.check()
-    fit = check_draft(cfg.draft, cfg.model)
+    plan = cfg.plan()
     spec = DataSpec.of(cfg.data)
     drawn = draw(spec)
     n_read, sha = len(drawn), drawn.digest
@@ -238,8 +250,8 @@ def accept_each(cfg: AcceptConfig, samplings: list[Sampling]) -> list[AcceptResu
         raise UserError(f"{cfg.data} gives no prompt" + (f" (line {first.line}: {first.cause})" if first else ""),
                         first.fix if first and first.fix else "give it rows with a user turn")
     dtype = resolve_dtype_name(cfg.model, cfg.dtype)  # "auto": the checkpoint's (vLLM's would run fp32 in bf16)
-    kwargs = generation_kwargs(cfg.model, dtype, cfg.vllm, speculative_config=cfg.speculative_config(),
-                               disable_log_stats=False)
+    kwargs = generation_kwargs(cfg.model, dtype, cfg.vllm, speculative_config=plan.speculative_config,
+                               disable_log_stats=False, **plan.engine)
     t0 = time.perf_counter()
     llm = generation.start(kwargs)
     try:
@@ -251,9 +263,10 @@ def accept_each(cfg: AcceptConfig, samplings: list[Sampling]) -> list[AcceptResu
                             "raise --max-model-len, or shorten the conversations")
         results = []
         for sampling in samplings:
-            result = AcceptResult(str(cfg.model), str(cfg.draft), str(cfg.data), sha, cfg.num_speculative_tokens,
-                                  dtype, sampling.describe(), fit, read=n_read, prompts=len(prompts),
-                                  unused_rows=unused, failures=failures + too_long, engine_start_seconds=started)
+            result = AcceptResult(str(cfg.model), None if cfg.draft is None else str(cfg.draft), str(cfg.data), sha,
+                                  cfg.num_speculative_tokens, dtype, sampling.describe(), plan.fit, read=n_read,
+                                  prompts=len(prompts), unused_rows=unused, failures=failures + too_long,
+                                  engine_start_seconds=started, method=cfg.method, notes=list(plan.notes))
             run_prompts(llm, sampling, prompts, result)
             results.append(result)
     finally:

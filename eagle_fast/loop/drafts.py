@@ -20,7 +20,7 @@ Limits: weights in .bin files are not looked into (their shapes go unchecked).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ class DraftFit:
     vocab_size: int
     draft_vocab_size: int
     weights_checked: bool
+    extra: dict[str, Any] = field(default_factory=dict)  # per method: DFlash's mask token and causality, ...
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

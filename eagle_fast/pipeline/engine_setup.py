@@ -80,7 +80,7 @@ def build_runner(factory: Callable, engine: str, model: str, dtype: torch.dtype,
     try:
         if worker_supervision is not None:
             enable_worker_supervision(runner, worker_supervision, aux_layer_ids)
-        runner.set_aux_layers(aux_layer_ids)
+        set_capture_layers(runner, aux_layer_ids)
         if getattr(runner, "dtype", dtype) != dtype:
             raise RuntimeError(f"the engine runs in {runner.dtype}, the extraction asked for {dtype}")
         mml = getattr(runner, "max_model_len", None)
@@ -111,6 +111,13 @@ def head_in_worker_settings(engine: str, layout: Layout, draft_ids: torch.Tensor
         ids = draft_ids if draft_ids is not None else torch.arange(layout.spec.vocab_size)
     return {"outputs": layout.head_outputs(), "k": layout.spec.k, "draft_ids": ids,
             "out_dtype": layout.head_out_dtype(), "fields": layout.head_fields()}
+
+
+def set_capture_layers(runner, layer_ids: list[int]) -> None:
+    """The layers a runner captures, any number (`RunnerBase.set_capture_layers`); a runner with NeMo's
+    surface alone takes them through `set_aux_layers` (EAGLE-3's three)."""
+    setter = getattr(runner, "set_capture_layers", None)
+    (setter or runner.set_aux_layers)(list(layer_ids))
 
 
 def enable_worker_supervision(runner, settings: dict, aux_layer_ids: list[int]) -> None:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from eagle_fast.checkpoint import load_model_info
 from eagle_fast.dtypes import SHORT_NAMES
 from eagle_fast.errors import UserError
+from eagle_fast.pipeline.engine_setup import set_capture_layers
 from eagle_fast.pipeline.run import supervise_batch
 from eagle_fast.runners.factory import default_runner_factory
 from eagle_fast.store import make_layout, spec_from_manifest
@@ -221,7 +222,7 @@ def recompute(engine: str, job: VerifyJob) -> list[FieldReport]:
     recomputed_all: dict[str, list[torch.Tensor]] = {}
     broken: dict[str, FieldReport] = {}
     try:
-        runner.set_aux_layers(list(spec.capture_ids) or m["aux_layer_ids"])  # a record of several: the capture
+        set_capture_layers(runner, list(spec.capture_ids) or m["aux_layer_ids"])  # a record of several: the capture
         plans = [ds.sample_plan(i) for i in picks]
         caps = runner.capture([p.input_ids for p in plans])
         results = supervise_batch(runner, plans, caps, layout, draft_ids, spec.k)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import inspect
 import logging
 import os
 import time
@@ -468,8 +469,10 @@ def engine_core_processes(llm) -> list:
 def shutdown(llm, reap_timeout_s: float = 30.0) -> None:
     """Stop the engine's processes now and reap them (0.32 and 0.33 have no `LLM.close()`).
 
-    vLLM's shutdown SIGTERMs EngineCore and joins it for at most 5 s; past that it SIGKILLs the
-    process tree and never waits on it, so the child stays a zombie. Joining every EngineCore
+    vLLM's shutdown SIGTERMs EngineCore and joins it for at most 5 s by default; past that it
+    SIGKILLs the process tree, says so in two WARNING lines, and never waits on it, so the child
+    stays a zombie. On a loaded 2-core machine EngineCore's exit can take longer than 5 s, so the
+    grace period asked for is `reap_timeout_s` where the client takes one. Joining every EngineCore
     process afterwards (killing one still alive at the deadline) reaps it.
     """
     processes = engine_core_processes(llm)
@@ -480,7 +483,10 @@ def shutdown(llm, reap_timeout_s: float = 30.0) -> None:
         logger.warning("no shutdown hook on this vLLM's LLM; relying on garbage collection")
         return
     try:
-        stop()
+        if "timeout" in inspect.signature(stop).parameters:
+            stop(timeout=reap_timeout_s)
+        else:
+            stop()
     finally:
         _reap(processes, reap_timeout_s)
 

@@ -69,13 +69,20 @@ class TargetRunner(Protocol):
 
 
 # -- shared helpers ----------------------------------------------------------------------------
-def validate_aux_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> list[int]:
-    """Distinct integer ids in `[0, num_layers)` (NeMo's EAGLE-3 passes three; the other draft types
-    capture any number, MTP none). Returns them as a list."""
+def validate_aux_layer_ids(aux_layer_ids: Sequence[int], num_layers: int, count: int | None = 3) -> list[int]:
+    """NeMo's rules: exactly `count` (EAGLE-3: 3) distinct integer ids in `[0, num_layers)`; `count`
+    None: any number (the other draft types' captures; MTP's none). Returns them as a list."""
     try:
         ids = list(aux_layer_ids)
     except TypeError:
-        raise ValueError(f"aux_layer_ids must be a sequence of ints, got {aux_layer_ids!r}") from None
+        raise ValueError(
+            f"aux_layer_ids must be a sequence of {count or 'any number of'} ints, got {aux_layer_ids!r}"
+        ) from None
+    if count is not None and len(ids) != count:
+        raise ValueError(
+            f"EAGLE-3 expects exactly {count} aux_layer_ids, got {len(ids)}: {ids}. "
+            "This must match the draft model's num_aux_hidden_states."
+        )
     try:
         if any(isinstance(i, bool) for i in ids):
             raise TypeError
@@ -83,7 +90,7 @@ def validate_aux_layer_ids(aux_layer_ids: Sequence[int], num_layers: int) -> lis
     except TypeError:
         raise ValueError(f"aux_layer_ids must be ints, got {ids}") from None
     if len(set(ids)) != len(ids):
-        raise ValueError(f"aux_layer_ids must be distinct, got {ids}")
+        raise ValueError(f"{'EAGLE-3 ' if count == 3 else ''}aux_layer_ids must be distinct, got {ids}")
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
         raise ValueError(
@@ -261,9 +268,15 @@ class RunnerBase:
         return None if self._aux_layer_ids is None else list(self._aux_layer_ids)
 
     def set_aux_layers(self, aux_layer_ids: Sequence[int]) -> None:
-        """Validate and record the 3 aux layers (id i = output of decoder layer i)."""
+        """Validate and record the 3 aux layers (id i = output of decoder layer i): NeMo's protocol."""
+        self.set_capture_layers(aux_layer_ids, count=3)
+
+    def set_capture_layers(self, layer_ids: Sequence[int], count: int | None = None) -> None:
+        """`set_aux_layers` for any number of distinct layers (every draft type's capture from one
+        prefill; MTP's none): `capture` then returns them concatenated in this order."""
         self._check_open()
-        ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers)
+        aux_layer_ids = layer_ids
+        ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers, count)
         _, aux_slots, final_slot = capture_plan(ids, self.num_layers)
         try:
             self._on_aux_layers(ids)

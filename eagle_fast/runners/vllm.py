@@ -231,7 +231,7 @@ class VLLMTargetRunner(RunnerBase):
         (aux id L-1 is the final slot itself) plus its fields, measured on one small head call."""
         if self._worker_head is None:
             raise RuntimeError("call set_worker_supervision first")
-        ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers)
+        ids = validate_aux_layer_ids(aux_layer_ids, self.num_layers, count=None)
         capture_ids, aux_slots, _ = capture_plan(ids, self.num_layers)
         slot = self.hidden_size * self.dtype.itemsize
         sup = supervision_bytes_per_token(self.head, self._worker_head)

@@ -8,7 +8,9 @@ What it does
         float64 sum of exp(s - max) over the draft columns (their logsumexp) and, when asked,
         over every column (the full lse). Nothing is written per column.
       pass 2 (`ef_draft_out`): the draft columns again, out[t, d] = s[t, draft_ids[d]] - lse_d[t]
-        rounded once to fp32 or bf16 (nearest-even), written as contiguous rows.
+        rounded once to fp32 or bf16 (nearest-even), written as contiguous rows; or, where pass
+        1 was given somewhere to store each token's draft logits (the fp32 output itself, or a
+        scratch for a group of tokens), `ef_draft_fix` turns those into the same bytes.
     Python (`kernels/_native.py`) packs the operands, merges pass 1's per-segment statistics
     and hands pass 2 the draft logsumexp.
 
@@ -18,7 +20,7 @@ Design
     (`ef_pack_y`). A [32 vocab x 32 token] block is four 16 x 16 fp32 AMX tiles (TDPBF16PS; or,
     on CPUs without AMX, 16 AVX-512 accumulators per 8 rows, VDPBF16PS: `block_avx512`);
     each tile row is one vocab id across 16 tokens, so the per-token reductions are lane-wise
-    vector maxima and sums. The vocabulary is cut into segments fixed by V alone (never by the
+    vector maxima and sums (and a stored draft logit is a transposed copy of a tile row). The vocabulary is cut into segments fixed by V alone (never by the
     thread count); a thread takes whole segments, each segment keeps its own per-token
     statistics, merged in segment order afterwards. Within a segment: chunks of W rows that
     stay in L2, each swept by the token blocks of a group that stays in the last-level cache.
@@ -42,6 +44,7 @@ Limits
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -86,6 +89,9 @@ typedef struct {
     int32_t *arg;
     double *dsum;
     double *asum; /* [nseg, Npad] or NULL: the sum of exp(s - best) over every column (lse) */
+    float *logits; /* [N, ld_logits] or NULL: the draft logits, stored as pass 1 meets them */
+    int64_t ld_logits;
+    const int32_t *dpos; /* [ceil(V / 32)]: the draft position of each block's first draft id */
     int use_amx; /* AMX tiles, else AVX512-BF16 */
     int next;    /* the next segment to take */
     int done;    /* segments walked: all of them, unless no thread could allocate its scratch */
@@ -124,9 +130,11 @@ static inline AVX512 void rescale_add(__m512d *lo, __m512d *hi, __m512 scale, __
                           _mm512_cvtps_pd(_mm512_extractf32x8_ps(acc, 1)));
 }
 
-/* Reduce one [rows x 16] fp32 slab c (row stride 32 floats: one vocab id per row, ids v0 + i)
-   into the lanes. */
-static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, int64_t v0, lanes_t *s) {
+/* Reduce one [rows x 16] fp32 slab c (row stride 32 floats: one vocab id per row, ids v0 + i;
+   one token per lane, tokens t0 + j for j < nt) into the lanes; with job->logits, store its
+   draft rows there too (token-major: a transpose of the slab's draft rows). */
+static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, int64_t v0, int64_t t0, int nt,
+                                   lanes_t *s) {
     /* argmax over every row: only rows that beat the running best matter */
     __m512 bm = _mm512_loadu_ps(c);
     for (int i = 1; i < rows; i++) bm = _mm512_max_ps(bm, _mm512_loadu_ps(c + 32 * i));
@@ -156,6 +164,14 @@ static inline AVX512 void epilogue(const job_t *job, const float *c, int rows, i
         acc = _mm512_add_ps(acc, vexp(_mm512_sub_ps(_mm512_loadu_ps(c + 32 * __builtin_ctz(b)), m)));
     rescale_add(&s->sum_lo, &s->sum_hi, vexp(_mm512_sub_ps(s->dmax, m)), acc);
     s->dmax = m;
+    if (job->logits) {
+        float *dst = job->logits + t0 * job->ld_logits + job->dpos[v0 / 32];
+        int64_t ld = job->ld_logits;
+        for (uint32_t b = mask; b; b &= b - 1, dst++) {
+            const float *row = c + 32 * __builtin_ctz(b);
+            for (int t = 0; t < nt; t++) dst[t * ld] = row[t];
+        }
+    }
 }
 
 typedef struct {
@@ -293,8 +309,9 @@ static AMX void run_segment(job_t *job, int64_t seg, uint16_t *tail_w, float *c)
                         ld = H;
                     }
                     block(job->use_amx, w, ld, yp0, yp1, KB, c);
-                    epilogue(job, c, rows, v0, &s0);
-                    if (t0 + 16 < job->N) epilogue(job, c + 16, rows, v0, &s1);
+                    int64_t left = job->N - t0;
+                    epilogue(job, c, rows, v0, t0, left < 16 ? (int)left : 16, &s0);
+                    if (left > 16) epilogue(job, c + 16, rows, v0, t0 + 16, left < 32 ? (int)left - 16 : 16, &s1);
                 }
                 store_lanes(job, seg, t0, &s0);
                 store_lanes(job, seg, t0 + 16, &s1);
@@ -340,20 +357,29 @@ static int run_threads(void *(*fn)(void *), void *job, int nthreads) {
 
 /* The walk (see the header). best/dmax/arg/dsum (and asum, or NULL without the full lse):
    [nseg, Npad] (Npad = N rounded up to 32), set up by the caller (best, dmax -inf; arg 0;
-   sums 0). Returns 0; -1 when a thread could not start (the others did its work: the same
-   result); -2 when memory ran out and the walk is incomplete. */
+   sums 0). logits (or NULL): [N, ld_logits] fp32, where the walk stores each token's draft
+   logits in draft order as it meets them (`ef_draft_fix` turns them into log-probs). Returns 0;
+   -1 when a thread could not start (the others did its work: the same result); -2 when memory
+   ran out and the walk is incomplete. */
 int ef_draft_argmax(const uint16_t *w, int64_t ldw, int64_t V, int64_t H, const uint32_t *yp, int64_t N,
                     const int64_t *draft_ids, int64_t Vd, int64_t seg_rows,
                     int64_t chunk_rows, int64_t group_rows, float *best, int32_t *arg, float *dmax,
-                    double *dsum, double *asum, int nthreads, int use_amx) {
+                    double *dsum, double *asum, float *logits, int64_t ld_logits, int nthreads, int use_amx) {
     int64_t nblk = (V + 31) / 32;
     uint32_t *dmask = calloc(nblk, sizeof *dmask);
-    if (!dmask) return -2;
+    int32_t *dpos = calloc(nblk, sizeof *dpos);
+    if (!dmask || !dpos) {
+        free(dmask);
+        free(dpos);
+        return -2;
+    }
     for (int64_t d = 0; d < Vd; d++) dmask[draft_ids[d] / 32] |= 1u << (draft_ids[d] % 32);
+    for (int64_t b = 1; b < nblk; b++) dpos[b] = dpos[b - 1] + __builtin_popcount(dmask[b - 1]);
     job_t job = {w, ldw, V, H, yp, N, dmask, seg_rows, (V + seg_rows - 1) / seg_rows,
-                 chunk_rows, group_rows, best, dmax, arg, dsum, asum, use_amx, 0, 0};
+                 chunk_rows, group_rows, best, dmax, arg, dsum, asum, logits, ld_logits, dpos, use_amx, 0, 0};
     int rc = run_threads(worker, &job, nthreads < 1 ? 1 : nthreads > job.nseg ? (int)job.nseg : nthreads);
     free(dmask);
+    free(dpos);
     return job.done < job.nseg ? -2 : rc;
 }
 
@@ -436,4 +462,80 @@ int ef_draft_out(const uint16_t *y, int64_t ldy, int64_t N, int64_t H, const uin
                      (Vd + chunk_cols - 1) / chunk_cols, use_amx, 0, 0};
     int rc = run_threads(out_worker, &job, nthreads < 1 ? 1 : nthreads > job.nchunk ? (int)job.nchunk : nthreads);
     return job.done < job.nchunk ? -2 : rc;
+}
+
+typedef struct {
+    const float *src; /* [N, ld_src]: pass 1's draft logits */
+    int64_t ld_src, N, Vd;
+    const float *lse; /* [N] */
+    void *out;        /* [N, ld_out] fp32 (may be src itself) or bf16 */
+    int64_t ld_out;
+    int out_bf16;
+    int next;
+} fix_job_t;
+
+#define FIX_ROWS 16
+static AVX512 void *fix_worker(void *arg) {
+    fix_job_t *j = (fix_job_t *)arg;
+    for (;;) {
+        int64_t r0 = (int64_t)__atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) * FIX_ROWS;
+        if (r0 >= j->N) break;
+        int64_t r1 = r0 + FIX_ROWS < j->N ? r0 + FIX_ROWS : j->N;
+        for (int64_t t = r0; t < r1; t++) {
+            const float *x = j->src + t * j->ld_src;
+            __m512 l = _mm512_set1_ps(j->lse[t]);
+            for (int64_t d = 0; d < j->Vd; d += 16) {
+                __mmask16 k = j->Vd - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (j->Vd - d)) - 1u);
+                __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + d), l);
+                if (j->out_bf16)
+                    _mm256_mask_storeu_epi16((uint16_t *)j->out + t * j->ld_out + d, k, (__m256i)_mm512_cvtneps_pbh(v));
+                else
+                    _mm512_mask_storeu_ps((float *)j->out + t * j->ld_out + d, k, v);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* out[t, d] = src[t, d] - lse[t] rounded once to fp32 or bf16 (nearest-even), for N rows of Vd,
+   FIX_ROWS rows at a time shared out among nthreads threads; out may be src (fp32). Returns as
+   ef_draft_argmax (never -2). */
+int ef_draft_fix(const float *src, int64_t ld_src, int64_t N, int64_t Vd, const float *lse, void *out,
+                 int64_t ld_out, int out_bf16, int nthreads) {
+    fix_job_t job = {src, ld_src, N, Vd, lse, out, ld_out, out_bf16, 0};
+    int64_t blocks = (N + FIX_ROWS - 1) / FIX_ROWS;
+    return run_threads(fix_worker, &job, nthreads < 1 ? 1 : nthreads > blocks ? (int)blocks : nthreads);
+}
+
+typedef struct {
+    char *begin; /* page-aligned */
+    int64_t bytes, piece;
+    int next;
+} populate_job_t;
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+static void *populate_worker(void *arg) {
+    populate_job_t *j = (populate_job_t *)arg;
+    for (;;) {
+        int64_t off = (int64_t)__atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED) * j->piece;
+        if (off >= j->bytes) break;
+        int64_t n = j->bytes - off < j->piece ? j->bytes - off : j->piece;
+        if (madvise(j->begin + off, (size_t)n, MADV_POPULATE_WRITE)) /* before Linux 5.14: touch each page */
+            for (int64_t p = 0; p < n; p += 4096) j->begin[off + p] = 0;
+    }
+    return NULL;
+}
+
+/* Fault in the pages of [ptr, ptr + bytes) for writing, on nthreads threads, 8 MiB at a time:
+   a fresh output's pages taken in one pass rather than one fault at a time inside the walk.
+   The bytes in the range are unspecified afterwards. Returns as ef_draft_fix. */
+int ef_populate(void *ptr, int64_t bytes, int nthreads) {
+    uintptr_t b = ((uintptr_t)ptr + 4095) / 4096 * 4096, e = ((uintptr_t)ptr + (uintptr_t)bytes) / 4096 * 4096;
+    if (e <= b) return 0;
+    populate_job_t job = {(char *)b, (int64_t)(e - b), 8 << 20, 0};
+    int64_t pieces = (job.bytes + job.piece - 1) / job.piece;
+    return run_threads(populate_worker, &job, nthreads < 1 ? 1 : nthreads > pieces ? (int)pieces : nthreads);
 }
