@@ -469,12 +469,9 @@ def engine_core_processes(llm) -> list:
 def shutdown(llm, reap_timeout_s: float = 30.0) -> None:
     """Stop the engine's processes now and reap them (0.32 and 0.33 have no `LLM.close()`).
 
-    vLLM's shutdown SIGTERMs EngineCore and joins it for at most 5 s by default; past that it
-    SIGKILLs the process tree, says so in two WARNING lines, and never waits on it, so the child
-    stays a zombie. On a loaded 2-core machine EngineCore's exit can take longer than 5 s, so the
-    grace period asked for is `reap_timeout_s` where the client takes one. Joining every EngineCore
-    process afterwards (killing one still alive at the deadline) reaps it.
-    """
+    vLLM SIGTERMs EngineCore, joins it for 5 s by default (too short on a loaded 2-core machine:
+    asked for `reap_timeout_s`), then SIGKILLs it with two WARNING lines and never reaps it.
+    Joining every EngineCore process after (killing one alive at the deadline) reaps it."""
     processes = engine_core_processes(llm)
     engine = getattr(llm, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
@@ -483,10 +480,7 @@ def shutdown(llm, reap_timeout_s: float = 30.0) -> None:
         logger.warning("no shutdown hook on this vLLM's LLM; relying on garbage collection")
         return
     try:
-        if "timeout" in inspect.signature(stop).parameters:
-            stop(timeout=reap_timeout_s)
-        else:
-            stop()
+        stop(**({"timeout": reap_timeout_s} if "timeout" in inspect.signature(stop).parameters else {}))
     finally:
         _reap(processes, reap_timeout_s)
 
