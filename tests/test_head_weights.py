@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+
 import pytest
 import torch
 from _assert import assert_close
