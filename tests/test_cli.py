@@ -154,7 +154,9 @@ def test_console_script_and_module_entry(tmp_path, tiny_llama):
                           str(bad), "--out", str(tmp_path / "o"), "--engine", "hf"],
                          capture_output=True, text=True, env=env, timeout=300, check=False)
     assert res.returncode == 2 and "bad.jsonl:1: invalid JSON" in res.stderr
-    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 2
+    lines = res.stderr.strip().splitlines()  # the derived head rules' one line, then error: and fix:
+    assert "Traceback" not in res.stderr and len(lines) == 3 and lines[0].startswith("eagle-fast: head rules: ")
+    assert lines[1].startswith("eagle-fast: error: ") and lines[2].startswith("eagle-fast: fix: "), lines
 
 
 def test_progress_bar_on_a_terminal():
