@@ -70,9 +70,9 @@ def engine_died(exc: BaseException, version: str, stage: str) -> EngineDied:
     said = f": {cause}" if cause else " (its traceback above, or with -v, names the cause)"
     return EngineDied(
         f"the vLLM engine (vllm {version}) died during {stage}{said}",
-        "change what it names (a vLLM setting through --engine-args, or the checkpoint) and re-run the same "
-        "command: it resumes where it stopped; or use the transformers engine, --engine hf, with a new --out "
-        "(-v shows the engine's whole traceback)")
+        "change the vLLM setting it names through --engine-args and re-run the same command: it resumes where "
+        "it stopped; a changed checkpoint or the transformers engine (--engine hf) is another run, so give it a "
+        "new --out once shards were written (-v shows the engine's whole traceback)")
 
 
 def shm_names() -> set[str]:
