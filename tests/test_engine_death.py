@@ -131,3 +131,31 @@ def test_the_cli_holds_vllms_errors_in_a_file_and_names_any_left_unread(tmp_path
     finally:
         for h in (stream, held):
             logger.removeHandler(h)
+
+
+def test_under_v_nothing_is_held_and_the_error_points_at_vllms_traceback(tmp_path, monkeypatch, capsys):
+    """-v holds nothing back: vLLM's error records reach the terminal, and the error line, with no
+    held log to read the cause from, says where the traceback is."""
+    from eagle_fast.quiet import HeldTracebacks, quiet_cli
+    from eagle_fast.runners.engine_death import engine_died
+
+    monkeypatch.delenv(ENGINE_LOG_ENV, raising=False)
+    logger = logging.getLogger("vllm.test_verbose")
+    stream = logging.StreamHandler(sys.stderr)
+    stream.addFilter(HeldTracebacks())
+    logger.addHandler(stream)
+    logger.propagate = False
+    try:
+        with quiet_cli(True):
+            assert ENGINE_LOG_ENV not in os.environ
+            logger.error("Traceback (most recent call last):\n%s", ROOT_CAUSE)
+            died = engine_died(RuntimeError("EngineDeadError"), "0.32.0", "a run")
+        assert ROOT_CAUSE in capsys.readouterr().err
+        assert "died during a run (its traceback above, or with -v, names the cause)" in died.cause, died.cause
+        held = tmp_path / "engine.log"  # the CLI's held log, by contrast: the cause is read and the file emptied
+        held.write_text(f"Traceback (most recent call last):\n{ROOT_CAUSE}\n")
+        monkeypatch.setenv(ENGINE_LOG_ENV, str(held))
+        assert engine_died(RuntimeError("EngineDeadError"), "0.32.0", "a run").cause.endswith(f"a run: {ROOT_CAUSE}")
+        assert held.read_text() == ""
+    finally:
+        logger.removeHandler(stream)
