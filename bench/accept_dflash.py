@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import accept as A
 import accept_trainers as AT
@@ -70,40 +69,19 @@ def train_speculators_dflash(model_dir: Path, data_dir: Path, t: A.DraftTrain, *
                              max_anchors: int = 512):
     """Train a DFlash draft on `data_dir` with speculators' own step; returns (model, loss of every step)."""
     from speculators.train.data import ArrowDataset, CollateFn
-    from speculators.train.trainer import Trainer, TrainerConfig
 
     model, args = build_dflash(model_dir, data_dir, t, block_size=block_size, layers=layers, max_anchors=max_anchors)
     ds = ArrowDataset(max_len=1 << 20, datapath=str(data_dir), transfer=None, on_missing="raise",
                       hidden_states_dtype=torch.float32)
     train_kwargs, _ = type(model).get_trainer_kwargs(**vars(args))
-    config = TrainerConfig(lr=t.lr, num_epochs=1, save_path="", weight_decay=0.0, scheduler_type="cosine",
-                           scheduler_warmup_steps=t.warmup, max_steps=t.steps, hidden_states_dtype=torch.float32)
-    opt = SimpleNamespace(model=model, config=config, resume_from_checkpoint=False, train_loader=[])
-    Trainer.setup_optimizer(opt)  # their optimizer and schedule; their __init__ wants a CUDA rank
     hidden = model.config.transformer_layer_config.hidden_size
-    losses = []
-    model.train()
-    torch.set_flush_denormal(True)
-    try:
-        for batch_ids in AT.batches(len(ds), t):
-            items = [ds[i] for i in batch_ids]
-            total = sum(int(x["input_ids"].shape[0]) for x in items)
-            batch = CollateFn(total, hidden, num_target_layers=len(model.target_layer_ids), dtype=torch.float32,
-                              preprocess=None)(items)
-            _, loss, _ = model(**batch, **train_kwargs)
-            for o in opt.optimizers:
-                o.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            for o in opt.optimizers:
-                o.step()
-            for s in opt.schedulers:
-                s.step()
-            losses.append(round(float(loss.detach()), 5))
-    finally:
-        torch.set_flush_denormal(False)
-    model.eval()
-    return model, losses
+
+    def collate(items):
+        total = sum(int(x["input_ids"].shape[0]) for x in items)
+        return CollateFn(total, hidden, num_target_layers=len(model.target_layer_ids), dtype=torch.float32,
+                         preprocess=None)(items)
+
+    return model, AT.speculators_steps(model, AT.speculators_optimizer(model, t), ds, t, collate, train_kwargs)
 
 
 def save(model, out_dir: Path) -> Path:

@@ -191,7 +191,6 @@ def train_speculators(model_dir: Path, data_dir: Path, aux_layers: list[int], dr
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
-    from speculators.train.trainer import Trainer, TrainerConfig
 
     ds = speculators_dataset(data_dir, fp8)
     if ref is not None:  # the Arrow rows are the reference's samples, in order
@@ -201,25 +200,41 @@ def train_speculators(model_dir: Path, data_dir: Path, aux_layers: list[int], dr
     model = speculators_draft(model_dir, data_dir, aux_layers, draft_size, t)
     train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=t.ttt_steps, ttt_step_loss_decay=ttt_decay,
                                                           loss_fn="kl_div", loss_implementation="eager")
+    hidden = model.config.transformer_layer_config.hidden_size
+
+    def collate(items):
+        total = sum(int(x["input_ids"].shape[0]) - 1 for x in items)
+        return CollateFn(total, hidden, num_target_layers=len(aux_layers), dtype=torch.float32,
+                         preprocess=shift_batch)(items)
+
+    losses = speculators_steps(model, speculators_optimizer(model, t, nemo_optim), ds, t, collate, train_kwargs)
+    return model, losses
+
+
+def speculators_optimizer(model, t: A.DraftTrain, nemo_optim: bool = False) -> SimpleNamespace:
+    """speculators' Trainer's own optimizer and scheduler for `model` (`.optimizers`, `.schedulers`);
+    its __init__ also sets up a checkpointer and moves batches to a CUDA rank, which a CPU run cannot
+    take. `nemo_optim`: NeMo's betas and schedule instead (`nemo_optimizer_settings`)."""
+    from speculators.train.trainer import Trainer, TrainerConfig
+
     config = TrainerConfig(lr=t.lr, num_epochs=1, save_path="", weight_decay=0.0, scheduler_type="cosine",
                            scheduler_warmup_steps=t.warmup, max_steps=t.steps, hidden_states_dtype=torch.float32)
-    # their Trainer's own optimizer/scheduler construction; its __init__ also sets up a
-    # checkpointer and moves batches to a CUDA rank, which a CPU run cannot take
     opt = SimpleNamespace(model=model, config=config, resume_from_checkpoint=False, train_loader=[])
     Trainer.setup_optimizer(opt)
     if nemo_optim:
         opt.schedulers = [nemo_optimizer_settings(o, t) for o in opt.optimizers]
-    hidden = model.config.transformer_layer_config.hidden_size
+    return opt
+
+
+def speculators_steps(model, opt: SimpleNamespace, ds, t: A.DraftTrain, collate, train_kwargs: dict) -> list[float]:
+    """speculators' Trainer.train_epoch step, on CPU, over `batches(len(ds), t)` of `ds`'s rows
+    (`collate(items)` -> the model's batch); the loss of every step. `model` is left in eval mode."""
     losses = []
     model.train()
     torch.set_flush_denormal(True)
     try:
         for batch_ids in batches(len(ds), t):
-            items = [ds[i] for i in batch_ids]
-            total = sum(int(x["input_ids"].shape[0]) - 1 for x in items)
-            batch = CollateFn(total, hidden, num_target_layers=len(aux_layers), dtype=torch.float32,
-                              preprocess=shift_batch)(items)
-            _, loss, _ = model(**batch, **train_kwargs)  # Trainer.train_epoch's step, on CPU
+            _, loss, _ = model(**collate([ds[i] for i in batch_ids]), **train_kwargs)
             for o in opt.optimizers:
                 o.zero_grad()
             loss.backward()
@@ -232,7 +247,7 @@ def train_speculators(model_dir: Path, data_dir: Path, aux_layers: list[int], dr
     finally:
         torch.set_flush_denormal(False)
     model.eval()
-    return model, losses
+    return losses
 
 
 def save_speculators_draft(model, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
