@@ -29,7 +29,14 @@ from typing import Any
 from eagle_fast.checkpoint import ModelInfo, load_model_info
 from eagle_fast.errors import UserError
 from eagle_fast.files import read_json
-from eagle_fast.loop.drafts import LLAMA_HEADS, QWEN3_HEADS, DraftFit, check_d2t, weight_shapes
+from eagle_fast.loop.drafts import (
+    LLAMA_HEADS,
+    QWEN3_HEADS,
+    DraftFit,
+    check_head_and_embeddings,
+    held_layers,
+    weight_shapes,
+)
 
 DFLASH_HEADS = ("DFlashDraftModel", "DFlashLagunaForCausalLM", "MuseGlimmerAssistantModel",
                 "DFlashMuseGlimmerAssistantModel")  # registry.py:634-644
@@ -240,26 +247,12 @@ def check_parallel_weights(where: str, shapes: dict, cfg: dict[str, Any], hidden
                         "qwen3_dflash.py:108-117)",
                         "set the draft's target layers to the ones its fc was trained on, or train a draft for "
                         "this target")
-    head = shape("lm_head.weight")
-    if head is not None and head != [draft_vocab, hidden]:
-        raise UserError(f"{where}: lm_head.weight is {head}, the config says [{draft_vocab}, {hidden}] "
-                        "(draft_vocab_size x hidden_size)", "fix draft_vocab_size in the draft's config.json")
-    if head is None and (draft_vocab != target.vocab_size or hidden != target.hidden_size):
+    if shape("lm_head.weight") is None and (draft_vocab != target.vocab_size or hidden != target.hidden_size):
         raise UserError(f"{where} has no lm_head.weight, so it would use the target's head ({target.vocab_size} ids, "
                         f"width {target.hidden_size}), but its draft vocabulary is {draft_vocab} and its hidden size "
                         f"{hidden}", "save the draft with its lm_head")
-    embed = shape("embed_tokens.weight")
-    if embed is not None and embed != [target.vocab_size, hidden]:
-        raise UserError(f"{where}: embed_tokens.weight is {embed}, expected [{target.vocab_size}, {hidden}]",
-                        "save the draft with the target's embeddings, or without embed_tokens")
-    if embed is None and hidden != target.hidden_size:
-        raise UserError(f"{where} has no embed_tokens.weight, so it shares the target's embeddings (width "
-                        f"{target.hidden_size}), but its hidden size is {hidden}", "save the draft with its embed_tokens")
-    if draft_vocab != target.vocab_size:
-        check_d2t(where, shapes, draft_vocab, target.vocab_size)
-    held = {0} if any(n.startswith("midlayer.") for n in shapes) else set()
-    held |= {int(n.split(".")[1]) for n in shapes if n.startswith("layers.") and n.split(".")[1].isdigit()}
-    return len(held)
+    check_head_and_embeddings(where, shapes, target, hidden, draft_vocab)
+    return len(held_layers(shapes))
 
 
 def check_markov_head(where: str, shapes: dict, cfg: dict[str, Any], hidden: int, vocab: int, draft_vocab: int) -> None:

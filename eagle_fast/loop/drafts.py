@@ -192,14 +192,30 @@ def check_weights(where: str, shapes: dict[str, tuple[Path, list[int]]], cfg: di
                         "set hidden_size, num_aux_hidden_states and eagle_aux_hidden_state_layer_ids in the draft's "
                         "config.json to what its fc was trained with, or train a draft for this target")
     head = shape("lm_head.weight")
-    if head is not None and head != [draft_vocab, hidden]:
-        raise UserError(f"{where}: lm_head.weight is {head}, the config says [{draft_vocab}, {hidden}] "
-                        "(draft_vocab_size x hidden_size)", "fix draft_vocab_size in the draft's config.json")
     if head is None and draft_vocab != target.vocab_size:
         raise UserError(f"{where} has no lm_head.weight, so it would use the target's head ({target.vocab_size} ids), "
                         f"but its draft_vocab_size is {draft_vocab}", "save the draft with its lm_head")
-    embed = shape("embed_tokens.weight")
-    if embed is not None and embed != [target.vocab_size, hidden]:
+    check_head_and_embeddings(where, shapes, target, hidden, draft_vocab)
+    layers = held_layers(shapes)
+    configured = int(cfg.get("num_hidden_layers", 1))
+    if configured > len(layers):
+        raise UserError(f"{where}: its config says num_hidden_layers {configured}, but its weights hold "
+                        f"{len(layers)} decoder layer{'s' if len(layers) != 1 else ''}; vLLM would run the others "
+                        "with weights never loaded", f"set num_hidden_layers to {len(layers)} in the draft's config.json")
+    return configured
+
+
+def check_head_and_embeddings(where: str, shapes: dict[str, tuple[Path, list[int]]], target: ModelInfo, hidden: int,
+                              draft_vocab: int) -> None:
+    """What every vLLM draft (EAGLE-3, DFlash, DSpark) holds alike: an lm_head (when saved) of
+    [draft_vocab, hidden], embed_tokens (when saved) of [target vocab, hidden] or else the target's
+    width, and d2t for a compressed vocabulary."""
+    head = shapes.get("lm_head.weight", (None, None))[1]
+    if head is not None and list(head) != [draft_vocab, hidden]:
+        raise UserError(f"{where}: lm_head.weight is {head}, the config says [{draft_vocab}, {hidden}] "
+                        "(draft_vocab_size x hidden_size)", "fix draft_vocab_size in the draft's config.json")
+    embed = shapes.get("embed_tokens.weight", (None, None))[1]
+    if embed is not None and list(embed) != [target.vocab_size, hidden]:
         raise UserError(f"{where}: embed_tokens.weight is {embed}, expected [{target.vocab_size}, {hidden}]",
                         "save the draft with the target's embeddings, or without embed_tokens")
     if embed is None and hidden != target.hidden_size:
@@ -207,14 +223,12 @@ def check_weights(where: str, shapes: dict[str, tuple[Path, list[int]]], cfg: di
                         f"{target.hidden_size}), but its hidden size is {hidden}", "save the draft with its embed_tokens")
     if draft_vocab != target.vocab_size:
         check_d2t(where, shapes, draft_vocab, target.vocab_size)
+
+
+def held_layers(shapes: dict[str, tuple[Path, list[int]]]) -> set[int]:
+    """The decoder layers a draft's weights hold (`midlayer.` is speculators' one-layer EAGLE-3 name)."""
     layers = {0} if any(n.startswith("midlayer.") for n in shapes) else set()
-    layers |= {int(n.split(".")[1]) for n in shapes if n.startswith("layers.") and n.split(".")[1].isdigit()}
-    configured = int(cfg.get("num_hidden_layers", 1))
-    if configured > len(layers):
-        raise UserError(f"{where}: its config says num_hidden_layers {configured}, but its weights hold "
-                        f"{len(layers)} decoder layer{'s' if len(layers) != 1 else ''}; vLLM would run the others "
-                        "with weights never loaded", f"set num_hidden_layers to {len(layers)} in the draft's config.json")
-    return configured
+    return layers | {int(n.split(".")[1]) for n in shapes if n.startswith("layers.") and n.split(".")[1].isdigit()}
 
 
 def check_d2t(where: str, shapes: dict[str, tuple[Path, list[int]]], draft_vocab: int, target_vocab: int) -> None:
