@@ -47,7 +47,22 @@ def trainer_frame(input_ids: torch.Tensor, loss_mask: torch.Tensor, aux_hidden_s
             "position_mask": (shift_left(argmax_in_draft.bool(), dim=0) & loss.bool()).unsqueeze(-1)}
 
 
-class NemoLayout(Layout):
+class StackedShardLayout(Layout):
+    """A layout whose shards are NeMo's stacked cache files (`StackedShardSink`): one file a shard,
+    each field a [samples, ...] tensor; NeMo's EAGLE-3 and DSpark caches alike."""
+
+    def shard_paths(self, shard):
+        return [shard_file_name(shard.index)]
+
+    def open_shard(self, root, shard):
+        return StackedShardSink(self, root, shard)
+
+    def read_sample(self, root, shard_record, local_index, handles=None):
+        h = open_safetensors(root / shard_record["files"][0]["path"], handles)
+        return {name: h.get_slice(name)[local_index] for name in self.sample_fields()}
+
+
+class NemoLayout(StackedShardLayout):
     name = "nemo"
 
     def head_outputs(self):
@@ -128,16 +143,6 @@ class NemoLayout(Layout):
         else:
             out["target_probs"] = probs.to(s.dtype)
         return out
-
-    def shard_paths(self, shard):
-        return [shard_file_name(shard.index)]
-
-    def open_shard(self, root, shard):
-        return StackedShardSink(self, root, shard)
-
-    def read_sample(self, root, shard_record, local_index, handles=None):
-        h = open_safetensors(root / shard_record["files"][0]["path"], handles)
-        return {name: h.get_slice(name)[local_index] for name in self.sample_fields()}
 
     def shard_extras(self, shard):
         # NeMo's shifted input_ids drop each sample's first token; keep it for verify.

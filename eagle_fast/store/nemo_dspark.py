@@ -33,16 +33,16 @@ from eagle_fast.dtypes import long_name, short_name
 from eagle_fast.errors import UserError
 from eagle_fast.files import read_json
 from eagle_fast.head import TargetHead, read_input_embedding
-from eagle_fast.store.layouts import Layout, select_layers, shard_file_name
+from eagle_fast.store.layouts import select_layers
 from eagle_fast.store.manifest import file_record
-from eagle_fast.store.nemo import StackedShardSink
-from eagle_fast.store.safetensors import open_safetensors, write_safetensors
+from eagle_fast.store.nemo import StackedShardLayout
+from eagle_fast.store.safetensors import write_safetensors
 
 DSPARK_FORMAT_VERSION = 1  # nemo_automodel.components.datasets.llm.dspark_cache._FORMAT_VERSION
 TARGET_WEIGHTS = "target_weights.safetensors"  # dspark_cache._TARGET_WEIGHTS_NAME
 
 
-class NemoDSparkLayout(Layout):
+class NemoDSparkLayout(StackedShardLayout):
     """NeMo AutoModel's DSpark cache (see the module doc); `spec.num_layers` is the target's N."""
 
     name = "nemo-dspark"
@@ -99,16 +99,6 @@ class NemoDSparkLayout(Layout):
         final[:T] = post
         return {"input_ids": ids, "loss_mask": loss, "target_hidden_states": hidden.reshape(S, -1),
                 "target_last_hidden_states": final}
-
-    def shard_paths(self, shard):
-        return [shard_file_name(shard.index)]
-
-    def open_shard(self, root, shard):
-        return StackedShardSink(self, root, shard)
-
-    def read_sample(self, root, shard_record, local_index, handles=None):
-        h = open_safetensors(root / shard_record["files"][0]["path"], handles)
-        return {name: h.get_slice(name)[local_index] for name in self.sample_fields()}
 
     def shard_extras(self, shard):
         # NeMo's cache has no attention mask: each sample's length, for verify and `DraftDataset`.
