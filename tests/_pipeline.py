@@ -87,6 +87,24 @@ class SharedRunner:
         self._runner.close()
 
 
+def interrupted_after_first_shard(cfg) -> dict:
+    """`extract(cfg)` stopped by a KeyboardInterrupt once its first shard is written (`on_shard`,
+    in process): the manifest it leaves, which must not say complete."""
+    import pytest
+
+    from eagle_fast import extract
+
+    def crash(index):
+        if index == 0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        extract(cfg, on_shard=crash)
+    manifest = json.loads((Path(cfg.out) / "manifest.json").read_text())
+    assert not manifest["complete"], manifest
+    return manifest
+
+
 def run_main(capsys, *argv) -> tuple[int, str, str]:
     """`eagle-fast ARGV` in process: (exit code, stdout, stderr); argparse's exits count too."""
     from eagle_fast.cli import main

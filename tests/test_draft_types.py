@@ -21,6 +21,7 @@ from _pipeline import (
     HELD_DRIVER,
     assert_same_records,
     chat_lines,
+    interrupted_after_first_shard,
     killed_and_resumed,
     run_main,
     write_jsonl,
@@ -246,13 +247,7 @@ def test_dry_run_gives_bytes_per_type_and_per_record(tiny8, inputs, tmp_path, ca
 def test_interrupted_split_and_merged_runs_give_one_runs_bytes(one_run, tiny8, inputs, tmp_path):
     ref = one_run[0]
 
-    def crash(index):
-        if index == 0:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        extract(cfg(tiny8, inputs, tmp_path / "resumed"), on_shard=crash)
-    assert not json.loads((tmp_path / "resumed" / "manifest.json").read_text())["complete"]
+    interrupted_after_first_shard(cfg(tiny8, inputs, tmp_path / "resumed"))
     again = extract(cfg(tiny8, inputs, tmp_path / "resumed"))
     assert again.complete and again.run_samples < again.samples
     for i in range(2):

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from _assert import assert_close, assert_ids_equal
-from _pipeline import chat_lines, run_main, tree_digest, write_jsonl
+from _pipeline import chat_lines, interrupted_after_first_shard, run_main, tree_digest, write_jsonl
 from _trainers import extract_cli
 
 from eagle_fast.draft_types import nemo_dspark_layers
@@ -300,13 +300,7 @@ def test_bf16_tied_target_and_a_crashed_run(tmp_path, tiny_dir):
 
     extract(cfg(tmp_path / "ref"))
 
-    def crash(index):
-        if index == 0:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        extract(cfg(tmp_path / "run"), on_shard=crash)
-    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    m = interrupted_after_first_shard(cfg(tmp_path / "run"))
     assert m["complete"] is False and not m["eagle_fast"]["complete"]
     with pytest.raises(ValueError, match="marked incomplete"):  # what NeMo's recipe reads first
         dspark_cache.read_manifest(str(tmp_path / "run"))

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _assert import assert_close, assert_ids_equal
-from _pipeline import chat_lines, run_main, tree_digest, write_jsonl
+from _pipeline import chat_lines, interrupted_after_first_shard, run_main, tree_digest, write_jsonl
 from _trainers import DRAFT_SIZE, V, draft_vocab, extract_cli, nemo_target_probs
 
 from eagle_fast.checkpoint import indexed_view
@@ -173,14 +173,7 @@ def test_crashed_run_resumes_to_the_same_bytes(tmp_path, tiny_llama):
 
     extract(cfg(tmp_path / "ref"))
 
-    def crash(index):
-        if index == 0:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        extract(cfg(tmp_path / "run"), on_shard=crash)
-    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert not m["complete"]
+    interrupted_after_first_shard(cfg(tmp_path / "run"))
     again = extract(cfg(tmp_path / "run"))
     assert again.complete and again.run_samples < again.samples
     assert tree_digest(tmp_path / "run", skip_manifest=True) == tree_digest(tmp_path / "ref", skip_manifest=True)

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _assert import assert_close
-from _pipeline import chat_lines, run_main, tree_digest, write_jsonl
+from _pipeline import chat_lines, interrupted_after_first_shard, run_main, tree_digest, write_jsonl
 from _trainers import DRAFT_SIZE, V, draft_vocab, extract_cli
 
 from eagle_fast.checkpoint import indexed_view
@@ -313,13 +313,7 @@ def test_crashed_multi_type_run_resumes_to_the_same_bytes(tmp_path, target8):
 
     extract(cfg(tmp_path / "ref"))
 
-    def crash(index):
-        if index == 0:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        extract(cfg(tmp_path / "run"), on_shard=crash)
-    assert not json.loads((tmp_path / "run" / "manifest.json").read_text())["complete"]
+    interrupted_after_first_shard(cfg(tmp_path / "run"))
     again = extract(cfg(tmp_path / "run"))
     assert again.complete and again.run_samples < again.samples
     assert tree_digest(tmp_path / "run", skip_manifest=True) == tree_digest(tmp_path / "ref", skip_manifest=True)
