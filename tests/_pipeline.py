@@ -105,6 +105,20 @@ def interrupted_after_first_shard(cfg) -> dict:
     return manifest
 
 
+def resumes_to_the_same_bytes(cfg_of, root: Path) -> Path:
+    """`cfg_of(out)` extracted whole into root/ref, then interrupted after its first shard into
+    root/run and run again: the resumed run ran fewer samples and wrote ref's files byte for byte
+    (manifests aside). Returns root/run."""
+    from eagle_fast import extract
+
+    extract(cfg_of(root / "ref"))
+    interrupted_after_first_shard(cfg_of(root / "run"))
+    again = extract(cfg_of(root / "run"))
+    assert again.complete and again.run_samples < again.samples
+    assert tree_digest(root / "run", skip_manifest=True) == tree_digest(root / "ref", skip_manifest=True)
+    return root / "run"
+
+
 def run_main(capsys, *argv) -> tuple[int, str, str]:
     """`eagle-fast ARGV` in process: (exit code, stdout, stderr); argparse's exits count too."""
     from eagle_fast.cli import main

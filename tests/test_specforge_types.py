@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from _assert import assert_close
-from _pipeline import chat_lines, interrupted_after_first_shard, run_main, tree_digest, write_jsonl
+from _pipeline import chat_lines, resumes_to_the_same_bytes, run_main, write_jsonl
 from _trainers import DRAFT_SIZE, V, draft_vocab, extract_cli
 
 from eagle_fast.checkpoint import indexed_view
@@ -302,7 +302,7 @@ def test_refusals_name_specforge_and_write_nothing(tmp_path, target8, capsys):
 
 
 def test_crashed_multi_type_run_resumes_to_the_same_bytes(tmp_path, target8):
-    from eagle_fast import ExtractConfig, extract
+    from eagle_fast import ExtractConfig
 
     data = write_jsonl(tmp_path / "d.jsonl", chat_lines(5))
 
@@ -311,12 +311,7 @@ def test_crashed_multi_type_run_resumes_to_the_same_bytes(tmp_path, target8):
                              max_len=32, shard_size=2, layout="specforge", draft_types=TYPES, draft_layers=K,
                              progress_tty=False)
 
-    extract(cfg(tmp_path / "ref"))
-
-    interrupted_after_first_shard(cfg(tmp_path / "run"))
-    again = extract(cfg(tmp_path / "run"))
-    assert again.complete and again.run_samples < again.samples
-    assert tree_digest(tmp_path / "run", skip_manifest=True) == tree_digest(tmp_path / "ref", skip_manifest=True)
-    d = torch.load(str(tmp_path / "run" / "rows_0-2000" / "data_0.ckpt"), weights_only=True, mmap=True)
+    run = resumes_to_the_same_bytes(cfg, tmp_path)
+    d = torch.load(str(run / "rows_0-2000" / "data_0.ckpt"), weights_only=True, mmap=True)
     assert {"aux_hidden_state", "hidden_states", "target_last_hidden_states"} <= set(d)
     assert d["hidden_states"].dtype == d["target_last_hidden_states"].dtype == torch.bfloat16
